@@ -1,0 +1,3 @@
+from pipeclock.cli import main
+
+raise SystemExit(main())

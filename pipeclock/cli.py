@@ -1,0 +1,42 @@
+"""The command line: ``python -m pipeclock <command> ...`` (and ``torchrun ... -m pipeclock train ...``).
+
+Each command lives in ``pipeclock/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``;
+it is imported only when chosen, so ``pipeclock schedule`` starts without touching torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, str] = {
+    "train": "train a ShardedMLP with pipeline parallelism (the main job; launch with torchrun)",
+    "schedule": "draw or simulate a schedule, no processes needed",
+    "lab": "run one of the course's labs (launches torchrun itself where the lab needs processes)",
+    "bench": "compare pipeclock with torch.distributed.pipelining and one process",
+    "export": "write one plain state_dict for the whole model from a checkpoint",
+    "docs": "regenerate the course's figures and outputs",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeclock", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = sys.argv[1] if len(sys.argv) > 1 else None
+    for name, help_text in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            _command_module(name).add_arguments(sub)
+    return parser
+
+
+def _command_module(name: str):
+    return importlib.import_module(f"pipeclock.commands.{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    args = build_parser().parse_args(sys.argv[1:])
+    return int(_command_module(args.command).run(args) or 0)
