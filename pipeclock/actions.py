@@ -43,7 +43,9 @@ class Action:
         if self.op not in OPS:
             raise ValueError(f"Action op must be one of {OPS}, got {self.op!r}")
         if self.microbatch < 0 or self.chunk < 0:
-            raise ValueError(f"Action micro-batch and chunk must be >= 0, got {self.microbatch}, {self.chunk}")
+            raise ValueError(
+                f"Action micro-batch and chunk must be >= 0, got {self.microbatch}, {self.chunk}"
+            )
 
     def __str__(self) -> str:
         return f"{self.op}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
@@ -135,6 +137,8 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, chunks:
             if Action(op, mb, c) not in counts  # type: ignore[arg-type]
         ]
         if missing:
-            problems.append("missing " + " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+            problems.append(
+                "missing " + " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            )
         if problems:
             raise ValueError(f"invalid schedule on rank {rank}: " + "; ".join(problems))

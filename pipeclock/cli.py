@@ -21,7 +21,10 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeclock", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pipeclock",
+        description="Pipeline-parallel training for PyTorch, and the course that teaches it.",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = sys.argv[1] if len(sys.argv) > 1 else None
     for name, help_text in COMMANDS.items():
