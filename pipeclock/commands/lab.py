@@ -1,0 +1,55 @@
+"""``pipeclock lab N [args]``: run lab N from ``labs/``, under torchrun when it needs processes.
+
+A lab that needs processes says how many with a ``PROCESSES = n`` line; this command prints the
+torchrun command a learner would type, then runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+LABS_DIR = Path(__file__).resolve().parents[2] / "labs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("number", type=int, help="which lab (1, 2, ...)")
+    parser.add_argument("lab_args", nargs=argparse.REMAINDER, help="arguments passed on to the lab")
+
+
+def find_lab(number: int) -> Path:
+    found = sorted(LABS_DIR.glob(f"{number:02d}_*.py"))
+    if not found:
+        known = ", ".join(p.stem for p in sorted(LABS_DIR.glob("[0-9][0-9]_*.py"))) or "none"
+        raise SystemExit(f"pipeclock lab: no lab {number} in {LABS_DIR} (labs: {known})")
+    return found[0]
+
+
+def processes(lab: Path) -> int:
+    match = re.search(r"^PROCESSES = (\d+)", lab.read_text(), re.MULTILINE)
+    return int(match.group(1)) if match else 1
+
+
+def command(lab: Path, lab_args: list[str]) -> tuple[list[str], str]:
+    """The command to run, and how a learner would type it."""
+    shown = os.path.relpath(lab)
+    nproc = processes(lab)
+    if nproc == 1:
+        return [sys.executable, str(lab), *lab_args], shlex.join(["python", shown, *lab_args])
+    launcher = ["--standalone", "--nproc-per-node", str(nproc)]
+    run = [sys.executable, "-m", "torch.distributed.run", *launcher, str(lab), *lab_args]
+    return run, shlex.join(["torchrun", "--nproc-per-node", str(nproc), shown, *lab_args])
+
+
+def run(args: argparse.Namespace) -> int:
+    lab = find_lab(args.number)
+    cmd, shown = command(lab, args.lab_args)
+    print(f"$ {shown}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes(lab))))
+    return subprocess.call(cmd, env=env)

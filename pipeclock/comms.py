@@ -1,0 +1,314 @@
+"""The glue: joining the process group, who is next in line, and moving tensors between ranks.
+
+``init`` is "dialling in to the conference call": it reads the environment torchrun sets (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), picks nccl on CUDA and gloo on the CPU, and remembers a timeout
+that every later blocking call here honours. Without torchrun it makes a one-process world, so the same
+script runs on a laptop.
+
+Two kinds of point-to-point call live here:
+
+- ``send_tensor`` / ``recv_tensor`` are blocking and *checked*: a small header (dtype and shape) travels
+  ahead of the data, so a receiver that expected another shape gets a clear error naming both ranks and
+  both shapes instead of gloo aborting the process. With ``shape=None`` the receiver learns the shape.
+- ``isend`` / ``irecv`` (and ``send_meta`` / ``recv_meta`` for a one-off header) are non-blocking and
+  unchecked: the orchestrator's hot path, where shapes are agreed once and cached.
+
+Every failure is a ``CommError`` whose message names this rank, the peer and the cause: a timeout
+(``CommTimeoutError``), a peer that died (``PeerGoneError``) or a mismatch (``ShapeMismatchError``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MAX_DIMS = 8
+_HEADER_LEN = 2 + MAX_DIMS  # dtype code, number of dims, the dims (zero-padded)
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+_timeout: float = 60.0
+_channel_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+
+
+class CommError(RuntimeError):
+    """A point-to-point or collective call failed; the message names the ranks and the cause."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A blocking call did not complete within the timeout given to ``init``."""
+
+
+class PeerGoneError(CommError):
+    """The connection to a peer broke: the peer process most likely died."""
+
+
+class ShapeMismatchError(CommError, ValueError):
+    """The receiver expected a different shape or dtype than the sender sent."""
+
+
+# --- joining and leaving -----------------------------------------------------------------------------
+
+
+def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
+    """Join the process group (torchrun's environment, or a one-process world) and return (rank, world).
+
+    ``backend`` defaults to nccl when CUDA is available and gloo otherwise. ``timeout`` (seconds) bounds
+    every later blocking call made through this module. On CPU the intra-op threads are set to the cores
+    divided by the local ranks, so processes on one machine do not fight over the same cores.
+    """
+    global _timeout
+    _timeout = float(timeout)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    limit = datetime.timedelta(seconds=timeout)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(_local_rank())
+        dist.init_process_group(backend, timeout=limit)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
+    if backend != "nccl":
+        torch.set_num_threads(threads_per_process())
+    if backend == "nccl":
+        _create_channel_groups()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call twice, or without ``init``)."""
+    _channel_groups.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def threads_per_process() -> int:
+    """This machine's usable cores divided among the local ranks, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_ranks))
+
+
+def device() -> torch.device:
+    """Where this rank computes: its own GPU under nccl, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", _local_rank())
+    return torch.device("cpu")
+
+
+def timeout() -> float:
+    """The timeout (seconds) that bounds every blocking call."""
+    return _timeout
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _create_channel_groups() -> None:
+    """On nccl, one communicator per directed neighbour pair.
+
+    NCCL runs the operations of one communicator in order on one stream, so a send to a peer queued
+    before a receive from the same peer can block it. Separate communicators for "a to b" and "b to a"
+    keep activations and gradients from waiting on each other. Every rank must create every group.
+    """
+    world = dist.get_world_size()
+    for src in range(world):
+        for dst in {(src + 1) % world, (src - 1) % world} - {src}:
+            _channel_groups[(src, dst)] = dist.new_group([src, dst])
+
+
+# --- topology ----------------------------------------------------------------------------------------
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def get_next_rank() -> int | None:
+    """The rank that receives this rank's activations, or None on the last stage."""
+    rank = get_rank()
+    return rank + 1 if rank + 1 < get_world_size() else None
+
+
+def get_prev_rank() -> int | None:
+    """The rank that sends this rank its activations, or None on the first stage."""
+    rank = get_rank()
+    return rank - 1 if rank > 0 else None
+
+
+# --- waiting with a timeout, and errors that say what happened ----------------------------------------
+
+
+def wait(work: dist.Work, what: str, peer: int | None = None) -> None:
+    """Wait for ``work`` at most the timeout; turn gloo/nccl errors into a ``CommError`` naming ranks."""
+    try:
+        work.wait(datetime.timedelta(seconds=_timeout))
+    except RuntimeError as error:
+        raise _explain(error, what, peer) from error
+
+
+def _explain(error: RuntimeError, what: str, peer: int | None) -> CommError:
+    text = str(error)
+    who = f"rank {get_rank()}"
+    other = f"rank {peer}" if peer is not None else "a peer"
+    if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
+        return PeerGoneError(
+            f"{who}: lost the connection to {other} while {what}; {other} most likely died (see its log)"
+        )
+    if "imed out" in text or "timeout" in text.lower():
+        return CommTimeoutError(
+            f"{who}: {what} did not complete within {_timeout:g}s; is {other} alive and running the "
+            "same step and schedule?"
+        )
+    return CommError(f"{who}: {what} failed: {text.splitlines()[0]}")
+
+
+# --- unchecked non-blocking point-to-point (the orchestrator's hot path) ------------------------------
+
+
+@dataclass
+class PendingSend:
+    """A send in flight; keep it (and so its tensor) until ``wait``."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+    dest: int
+
+    def wait(self) -> None:
+        wait(self.work, f"sending {tuple(self.tensor.shape)} to rank {self.dest}", self.dest)
+
+
+@dataclass
+class PendingRecv:
+    """A receive in flight; ``wait`` returns the filled tensor."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+    src: int
+
+    def wait(self) -> torch.Tensor:
+        wait(self.work, f"receiving {tuple(self.tensor.shape)} from rank {self.src}", self.src)
+        return self.tensor
+
+
+def isend(tensor: torch.Tensor, dest: int, tag: int = 0) -> PendingSend:
+    """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
+    tensor = tensor.detach().contiguous()
+    return PendingSend(dist.isend(tensor, dest, group=_group(get_rank(), dest), tag=tag), tensor, dest)
+
+
+def irecv(shape: tuple[int, ...], src: int, dtype: torch.dtype = torch.float32, tag: int = 0) -> PendingRecv:
+    """Start receiving a tensor of known ``shape``/``dtype`` from ``src``."""
+    tensor = torch.empty(shape, dtype=dtype, device=device())
+    return PendingRecv(dist.irecv(tensor, src, group=_group(src, get_rank()), tag=tag), tensor, src)
+
+
+def _group(src: int, dst: int) -> dist.ProcessGroup | None:
+    return _channel_groups.get((src, dst))
+
+
+# --- headers: telling a receiver what is coming -------------------------------------------------------
+
+
+def send_meta(tensor: torch.Tensor, dest: int, tag: int = 0) -> PendingSend:
+    """Start sending ``tensor``'s dtype and shape (not its data) to ``dest``."""
+    return isend(_header(tensor), dest, tag)
+
+
+def recv_meta(src: int, tag: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
+    """Receive the (shape, dtype) that ``send_meta`` sent."""
+    header = irecv((_HEADER_LEN,), src, torch.int64, tag).wait().tolist()
+    code, ndim, dims = header[0], header[1], header[2:]
+    if not 0 <= code < len(_DTYPES) or not 0 <= ndim <= MAX_DIMS:
+        raise CommError(f"rank {get_rank()}: malformed header from rank {src} (tag {tag}): {header}")
+    return tuple(dims[:ndim]), _DTYPES[code]
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"rank {get_rank()}: tensors of more than {MAX_DIMS} dims cannot be sent")
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"rank {get_rank()}: dtype {tensor.dtype} cannot be sent; use one of {_DTYPES}")
+    dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
+    return torch.tensor(
+        [_DTYPES.index(tensor.dtype), tensor.dim(), *dims], dtype=torch.int64, device=device()
+    )
+
+
+# --- checked blocking point-to-point (the labs' and the user's API) -----------------------------------
+
+
+def send_tensor(tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+    """Send ``tensor`` to ``dest`` and wait until it has left: header first, then the data."""
+    header = send_meta(tensor, dest, tag)
+    data = isend(tensor, dest, tag)
+    header.wait()
+    data.wait()
+
+
+def recv_tensor(
+    shape: tuple[int, ...] | torch.Size | None,
+    src: int,
+    dtype: torch.dtype | None = torch.float32,
+    tag: int = 0,
+) -> torch.Tensor:
+    """Receive a tensor from ``src``, checking that it has ``shape`` and ``dtype``.
+
+    ``shape=None`` (or ``dtype=None``) accepts whatever the sender sent. On a mismatch the data is still
+    received (so the channel stays in step) and ``ShapeMismatchError`` names both ranks and both shapes.
+    """
+    sent_shape, sent_dtype = recv_meta(src, tag)
+    received = irecv(sent_shape, src, sent_dtype, tag).wait()
+    wanted_shape = tuple(shape) if shape is not None else sent_shape
+    wanted_dtype = dtype or sent_dtype
+    if (wanted_shape, wanted_dtype) != (sent_shape, sent_dtype):
+        raise ShapeMismatchError(
+            f"rank {get_rank()} expected {_describe(wanted_shape, wanted_dtype)} from rank {src}, "
+            f"but rank {src} sent {_describe(sent_shape, sent_dtype)}"
+        )
+    return received
+
+
+def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"shape {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+# --- small collectives with the same timeout ----------------------------------------------------------
+
+
+def all_gather(tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere), within the timeout."""
+    gathered = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    wait(dist.all_gather(gathered, tensor, async_op=True), what)
+    return gathered
+
+
+def broadcast(tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+    """``src``'s ``tensor`` on every rank (in place), within the timeout."""
+    wait(dist.broadcast(tensor, src, async_op=True), what, src)
+    return tensor
+
+
+def barrier(what: str = "waiting at a barrier") -> None:
+    """Wait until every rank arrives, within the timeout."""
+    wait(dist.barrier(async_op=True), what)

@@ -1,0 +1,128 @@
+"""Run a function on N real gloo processes and collect what each rank returned or raised.
+
+No mocks: each rank is a fresh interpreter that joins a real process group through ``comms.init``, as it
+would under torchrun. A rank that outlives the deadline is killed and reported as hung, so a hang is a
+test failure, never a stuck suite. Starting processes costs a second or more, so tests put many cases
+into one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    hung: bool = False
+    exitcode: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None and not self.hung and self.exitcode in (0, None)
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30.0, deadline: float = 240.0
+) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return every rank's outcome.
+
+    ``timeout`` is given to ``comms.init`` (it bounds each blocking call); ``deadline`` bounds the whole
+    run, after which remaining processes are killed and marked hung.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+    procs = [
+        context.Process(target=_rank_main, args=(rank, env, timeout, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes = _collect(procs, results, deadline)
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """``run_ranks``, asserting every rank succeeded; returns each rank's value."""
+    outcomes = run_ranks(fn, world_size, *args, **kwargs)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise RanksFailed("\n".join(_describe(o) for o in failed))
+    return [o.value for o in outcomes]
+
+
+def _describe(outcome: RankOutcome) -> str:
+    if outcome.hung:
+        return f"rank {outcome.rank} hung"
+    return f"rank {outcome.rank}: {outcome.error_type}: {outcome.error} (exit {outcome.exitcode})"
+
+
+def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
+    outcomes: dict[int, RankOutcome] = {}
+    end = time.monotonic() + deadline
+    while len(outcomes) < len(procs) and time.monotonic() < end:
+        try:
+            outcome = results.get(timeout=0.2)
+            outcomes[outcome.rank] = outcome
+        except Exception:
+            for rank, proc in enumerate(procs):
+                if rank not in outcomes and not proc.is_alive() and proc.exitcode is not None:
+                    outcomes[rank] = RankOutcome(
+                        rank, error_type="died", error="no result", exitcode=proc.exitcode
+                    )
+    for rank, proc in enumerate(procs):
+        proc.join(timeout=5 if rank in outcomes else 0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        outcome = outcomes.setdefault(rank, RankOutcome(rank, hung=True))
+        outcome.exitcode = proc.exitcode if not outcome.hung else None
+    return outcomes
+
+
+def _rank_main(rank: int, env: dict, timeout: float, fn, args, results) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=env["WORLD_SIZE"])
+    from pipeclock import comms
+
+    start = time.monotonic()
+    try:
+        comms.init(timeout=timeout)
+        value = fn(rank, int(env["WORLD_SIZE"]), *args)
+        outcome = RankOutcome(rank, value=value)
+    except BaseException as error:  # report everything, including SystemExit, to the parent
+        outcome = RankOutcome(rank, error_type=type(error).__name__, error=str(error))
+        outcome.value = traceback.format_exc()
+    outcome.seconds = time.monotonic() - start
+    results.put(outcome)
+    results.close()
+    results.join_thread()
+    if outcome.ok:
+        # Stay until every rank is done, so no rank leaves while a peer still reads from it.
+        with contextlib.suppress(Exception):
+            comms.barrier("leaving the test")
+    # Leave without tearing down the process group: a peer may already be gone, and gloo's teardown
+    # would then block or abort. The parent only needs the queued outcome.
+    os._exit(0)
