@@ -193,9 +193,14 @@ class PendingSend:
     work: dist.Work
     tensor: torch.Tensor
     dest: int
+    what: str | None = None
 
     def wait(self) -> None:
-        wait(self.work, f"sending {tuple(self.tensor.shape)} to rank {self.dest}", self.dest)
+        what = self.what or f"sending a tensor of shape {tuple(self.tensor.shape)}"
+        wait(self.work, f"{what} to rank {self.dest}", self.dest)
+
+    def done(self) -> bool:
+        return self.work.is_completed()
 
 
 @dataclass
@@ -205,22 +210,30 @@ class PendingRecv:
     work: dist.Work
     tensor: torch.Tensor
     src: int
+    what: str | None = None
 
     def wait(self) -> torch.Tensor:
-        wait(self.work, f"receiving {tuple(self.tensor.shape)} from rank {self.src}", self.src)
+        what = self.what or f"receiving a tensor of shape {tuple(self.tensor.shape)}"
+        wait(self.work, f"{what} from rank {self.src}", self.src)
         return self.tensor
 
 
-def isend(tensor: torch.Tensor, dest: int, tag: int = 0) -> PendingSend:
+def isend(tensor: torch.Tensor, dest: int, tag: int = 0, what: str | None = None) -> PendingSend:
     """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
     tensor = tensor.detach().contiguous()
-    return PendingSend(dist.isend(tensor, dest, group=_group(get_rank(), dest), tag=tag), tensor, dest)
+    return PendingSend(dist.isend(tensor, dest, group=_group(get_rank(), dest), tag=tag), tensor, dest, what)
 
 
-def irecv(shape: tuple[int, ...], src: int, dtype: torch.dtype = torch.float32, tag: int = 0) -> PendingRecv:
-    """Start receiving a tensor of known ``shape``/``dtype`` from ``src``."""
+def irecv(
+    shape: tuple[int, ...],
+    src: int,
+    dtype: torch.dtype = torch.float32,
+    tag: int = 0,
+    what: str | None = None,
+) -> PendingRecv:
+    """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
     tensor = torch.empty(shape, dtype=dtype, device=device())
-    return PendingRecv(dist.irecv(tensor, src, group=_group(src, get_rank()), tag=tag), tensor, src)
+    return PendingRecv(dist.irecv(tensor, src, group=_group(src, get_rank()), tag=tag), tensor, src, what)
 
 
 def _group(src: int, dst: int) -> dist.ProcessGroup | None:
@@ -232,15 +245,24 @@ def _group(src: int, dst: int) -> dist.ProcessGroup | None:
 
 def send_meta(tensor: torch.Tensor, dest: int, tag: int = 0) -> PendingSend:
     """Start sending ``tensor``'s dtype and shape (not its data) to ``dest``."""
-    return isend(_header(tensor), dest, tag)
+    return isend(_header(tensor), dest, tag, "sending a tensor's shape")
 
 
 def recv_meta(src: int, tag: int = 0) -> tuple[tuple[int, ...], torch.dtype]:
     """Receive the (shape, dtype) that ``send_meta`` sent."""
-    header = irecv((_HEADER_LEN,), src, torch.int64, tag).wait().tolist()
-    code, ndim, dims = header[0], header[1], header[2:]
+    return decode_meta(irecv_meta(src, tag).wait(), src)
+
+
+def irecv_meta(src: int, tag: int = 0, what: str | None = None) -> PendingRecv:
+    """Start receiving a header; ``decode_meta`` turns the received tensor into (shape, dtype)."""
+    return irecv((_HEADER_LEN,), src, torch.int64, tag, what or "receiving a tensor's shape")
+
+
+def decode_meta(header: torch.Tensor, src: int) -> tuple[tuple[int, ...], torch.dtype]:
+    values = header.tolist()
+    code, ndim, dims = values[0], values[1], values[2:]
     if not 0 <= code < len(_DTYPES) or not 0 <= ndim <= MAX_DIMS:
-        raise CommError(f"rank {get_rank()}: malformed header from rank {src} (tag {tag}): {header}")
+        raise CommError(f"rank {get_rank()}: malformed header from rank {src}: {values}")
     return tuple(dims[:ndim]), _DTYPES[code]
 
 

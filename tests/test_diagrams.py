@@ -1,0 +1,89 @@
+"""ASCII and PNG pictures of timelines."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from pipeclock.actions import Action
+from pipeclock.diagrams import ascii_diagram, draw_comparison_png, draw_png
+from pipeclock.generators import gpipe, interleaved_1f1b, naive, one_f_one_b, zero_bubble_h1
+from pipeclock.simulate import simulate
+from pipeclock.timeline import Span, Timeline
+
+
+def test_gpipe_p2_m2_in_ascii_shows_the_fill_the_drain_and_the_bubbles():
+    assert ascii_diagram(simulate(gpipe(2, 2))) == (
+        "rank 0 |F0 F1 .........B0    B1    |\n"  # B0 waits for rank 1's B0, which ends at 5
+        "rank 1 |...F0 F1 B0    B1    ......|"
+    )
+
+
+def test_zb_h1_p2_m2_in_ascii_shows_the_last_rank_postponing_its_w():
+    assert ascii_diagram(simulate(zero_bubble_h1(2, 2))) == (
+        "rank 0 |F0 F1 ...B0 W0 B1 W1 |\nrank 1 |...F0 B0 F1 B1 W0 W1 |"
+    )
+
+
+def test_a_half_unit_gets_one_column_group():
+    assert ascii_diagram(simulate(naive(1, 1), costs={"F": 0.5, "B": 1})) == "rank 0 |F0 B0    |"
+
+
+def test_ascii_1f1b_p4_m8_fits_in_120_columns():
+    rows = ascii_diagram(simulate(one_f_one_b(4, 8))).splitlines()
+    assert len(rows) == 4
+    assert all(len(row) <= 120 for row in rows)
+
+
+def test_ascii_rows_align_even_with_chunk_labels():
+    rows = ascii_diagram(simulate(interleaved_1f1b(3, 5, 2))).splitlines()
+    assert len({len(row) for row in rows}) == 1
+    assert "F4.1" in rows[0]
+
+
+def test_measured_times_are_quantised_to_fit_the_width():
+    spans = [
+        Span(0, Action("F", 0), 0.0, 0.0131),
+        Span(1, Action("F", 0), 0.0142, 0.0270),
+        Span(1, Action("B", 0), 0.0270, 0.0533),
+        Span(0, Action("B", 0), 0.0551, 0.0808),
+    ]
+    rows = ascii_diagram(Timeline(spans, num_ranks=2), max_width=60).splitlines()
+    assert len(rows) == 2
+    assert all(len(row) <= 60 for row in rows)
+    assert rows[0].index("F0") < rows[1].index("F0") < rows[1].index("B0") < rows[0].index("B0")
+
+
+def test_an_empty_timeline_says_so():
+    assert ascii_diagram(Timeline([], num_ranks=2)) == "(empty timeline)"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG file's header; fails unless the file is a PNG."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert header[12:16] == b"IHDR"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_draw_png_writes_a_png_one_row_per_rank(tmp_path):
+    path = draw_png(simulate(one_f_one_b(4, 8)), tmp_path / "figures" / "1f1b.png", title="1f1b")
+    width, height = png_size(path)
+    assert width == 1200
+    assert 250 <= height <= 400
+    assert 10_000 < path.stat().st_size < 200_000
+
+
+def test_draw_comparison_png_stacks_one_panel_per_schedule(tmp_path):
+    named = {"gpipe": simulate(gpipe(2, 4)), "1f1b": simulate(one_f_one_b(2, 4))}
+    path = draw_comparison_png(named, tmp_path / "compare.png")
+    width, height = png_size(path)
+    assert width == 1200
+    assert 300 <= height <= 600
+
+
+def test_draw_comparison_png_needs_something_to_draw(tmp_path):
+    with pytest.raises(ValueError, match="nothing to draw"):
+        draw_comparison_png({}, tmp_path / "empty.png")

@@ -1,0 +1,104 @@
+"""``pipeclock schedule``: the command-line way to see a schedule without starting processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeclock.cli import main
+from pipeclock.diagrams import ascii_diagram
+from pipeclock.generators import SCHEDULES, one_f_one_b
+from pipeclock.simulate import simulate
+
+
+@pytest.fixture
+def schedule_command(monkeypatch, capsys):
+    """Run ``pipeclock schedule ARGS`` in this process; returns (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["pipeclock"])
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main(["schedule", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_showing_a_schedule_prints_its_diagram_bubble_formula_and_peaks(schedule_command):
+    code, out, err = schedule_command("1f1b", "--stages", "4", "--microbatches", "8")
+    assert (code, err) == (0, "")
+    assert ascii_diagram(simulate(one_f_one_b(4, 8))) in out
+    assert "makespan          33\n" in out
+    assert "bubble            27.3% of the step (simulated); formula (p-1)/(m+p-1) = 27.3%" in out
+    assert "bubble vs ideal   37.5%" in out
+    assert "peak activations  4 3 2 1" in out
+
+
+def test_an_interleaved_schedule_takes_chunks_and_counts_time_in_stages(schedule_command):
+    code, out, _ = schedule_command("interleaved-1f1b", "-p", "4", "-m", "8", "--chunks", "2")
+    assert code == 0
+    assert "2 chunks per rank" in out
+    assert "makespan          28.5\n" in out  # 3 * (2 * 8 + 4 - 1) chunk steps of half a stage
+    assert "formula (p-1)/(v*m+p-1) = 15.8%" in out
+
+
+def test_costs_and_latency_change_the_simulation(schedule_command):
+    _, out, _ = schedule_command("gpipe", "-p", "2", "-m", "2", "--costs", "1,2,1", "--latency", "0.5")
+    # Rank 1: F0 1.5-2.5, F1 2.5-3.5, B0 3.5-6.5, B1 6.5-9.5 (B+W = 3); rank 0: B0 7-10, B1 10-13.
+    assert "makespan          13\n" in out
+
+
+def test_compare_prints_one_row_per_schedule_and_draws_one_png(schedule_command, tmp_path):
+    png = tmp_path / "compare.png"
+    code, out, _ = schedule_command("--compare", "-p", "4", "-m", "8", "--png", str(png))
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.split()[0] in SCHEDULES}
+    assert list(rows) == list(SCHEDULES)
+    assert rows["1f1b"].split()[1:4] == ["33", "27.3%", "27.3%"]
+    assert rows["1f1b"].endswith("4 3 2 1")
+    assert rows["zb-h1"].split()[1:3] == ["27", "11.1%"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_png_draws_the_single_schedule(schedule_command, tmp_path):
+    png = tmp_path / "1f1b.png"
+    code, out, _ = schedule_command("1f1b", "-p", "2", "-m", "3", "--png", str(png))
+    assert code == 0
+    assert f"drew {png}" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (["pipedream", "-p", "2", "-m", "2"], "unknown schedule 'pipedream'; known schedules: naive"),
+        (["1f1b", "-p", "two", "-m", "2"], "--stages must be a whole number >= 1, got 'two'"),
+        (["1f1b", "-p", "2", "-m", "0"], "--microbatches must be a whole number >= 1, got 0"),
+        (["1f1b", "-m", "2"], "--stages is required"),
+        (["gpipe", "-p", "2", "-m", "2", "--chunks", "2"], "one chunk per rank"),
+        (["1f1b", "-p", "2", "-m", "2", "--costs", "1,2"], "--costs must be three numbers"),
+        (["1f1b", "-p", "2", "-m", "2", "--latency", "-1"], "--latency must be a number >= 0"),
+        (["-p", "2", "-m", "2"], "name a schedule"),
+    ],
+)
+def test_a_bad_request_is_one_line_and_exit_code_2(schedule_command, args, complaint):
+    code, out, err = schedule_command(*args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1
+    assert err.startswith("pipeclock schedule: error: ")
+    assert complaint in err
+
+
+def test_python_dash_m_pipeclock_schedule_works():
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeclock", "schedule", "gpipe", "--stages", "2", "--microbatches", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 |...F0 F1 B0    B1    ......|" in result.stdout
