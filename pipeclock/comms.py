@@ -334,3 +334,15 @@ def broadcast(tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
 def barrier(what: str = "waiting at a barrier") -> None:
     """Wait until every rank arrives, within the timeout."""
     wait(dist.barrier(async_op=True), what)
+
+
+def gather_object(obj: object, what: str, dst: int = 0) -> list[object] | None:
+    """Every rank's picklable ``obj`` on rank ``dst`` (None elsewhere), within the timeout."""
+    if get_world_size() == 1:
+        return [obj]
+    gathered: list[object] | None = [None] * get_world_size() if get_rank() == dst else None
+    try:
+        dist.gather_object(obj, gathered, dst=dst)
+    except RuntimeError as error:
+        raise _explain(error, what, dst) from error
+    return gathered

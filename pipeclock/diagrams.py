@@ -132,6 +132,7 @@ def _headline(title: str, timeline: Timeline) -> str:
 
 
 _LIGHTEN = {"F": 0.0, "B": 0.45, "W": 0.7}
+_WAIT_GREY = (0.75, 0.75, 0.75)
 _HATCH = {"F": "", "B": "", "W": "///"}
 
 
@@ -143,18 +144,21 @@ def _draw_axes(axes, timeline: Timeline, title: str, extent: float) -> None:
         if span.duration <= 0:
             continue
         colour = _lighten(colours[span.action.microbatch % len(colours)], _LIGHTEN[span.action.op])
+        left = span.start - timeline.start
+        if span.wait > 0:  # blocked on a receive: drawn as a thin grey lead-in, not as work
+            axes.barh(span.rank, span.wait, left=left, height=0.25, color=_WAIT_GREY, linewidth=0)
         axes.barh(
             span.rank,
-            span.duration,
-            left=span.start - timeline.start,
+            span.compute,
+            left=left + span.wait,
             height=0.8,
             color=colour,
             edgecolor="black",
             linewidth=0.4,
             hatch=_HATCH[span.action.op],
         )
-        if span.duration >= char_width * (len(str(span.action)) + 0.5):
-            middle = span.start - timeline.start + span.duration / 2
+        if span.compute >= char_width * (len(str(span.action)) + 0.5):
+            middle = left + span.wait + span.compute / 2
             axes.text(middle, span.rank, str(span.action), ha="center", va="center", fontsize=7, clip_on=True)
     axes.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
     axes.set_ylim(timeline.num_ranks - 0.5, -0.5)
@@ -182,8 +186,9 @@ def _add_legend(figure) -> None:
         Patch(facecolor=_lighten(grey, _LIGHTEN[op]), hatch=_HATCH[op], edgecolor="black", label=text)
         for op, text in (("F", "F forward"), ("B", "B backward"), ("W", "W weight grad"))
     ]
+    handles.append(Patch(facecolor=_WAIT_GREY, label="waiting for data"))
     figure.legend(
-        handles=handles, loc="upper right", bbox_to_anchor=(0.98, 1.0), ncol=3, fontsize=8, frameon=False
+        handles=handles, loc="upper right", bbox_to_anchor=(0.98, 1.0), ncol=4, fontsize=8, frameon=False
     )
 
 

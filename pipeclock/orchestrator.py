@@ -35,6 +35,10 @@ from pipeclock.timeline import Span
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class StageError(RuntimeError):
+    """A stage's own computation failed (a shape that does not fit, a bad loss ...); names rank and action."""
+
+
 @dataclass
 class StepRecord:
     """What one step did on this rank: its loss, duration, spans and measured activation peak."""
@@ -205,7 +209,15 @@ class _StepRun:
         messenger = self.pipe.messenger
         messenger.wait_seconds = 0.0
         start = time.perf_counter()
-        {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action)
+        try:
+            {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action)
+        except comms.CommError:
+            raise
+        except Exception as error:
+            stage = self._stage(action)
+            raise StageError(
+                f"rank {self.pipe.rank}: {action} (virtual stage {stage}) failed: {error}"
+            ) from error
         self.spans.append(Span(self.pipe.rank, action, start, time.perf_counter(), messenger.wait_seconds))
 
     def forward(self, action: Action) -> None:

@@ -45,18 +45,25 @@ def free_port() -> int:
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30.0, deadline: float = 240.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 30.0,
+    deadline: float = 240.0,
+    linger: bool = True,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return every rank's outcome.
 
     ``timeout`` is given to ``comms.init`` (it bounds each blocking call); ``deadline`` bounds the whole
-    run, after which remaining processes are killed and marked hung.
+    run, after which remaining processes are killed and marked hung. With ``linger`` a rank that
+    finished waits for the others before leaving; without it, it leaves at once, as a process that
+    caught an error would.
     """
     context = mp.get_context("spawn")
     results = context.Queue()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
     procs = [
-        context.Process(target=_rank_main, args=(rank, env, timeout, fn, args, results), daemon=True)
+        context.Process(target=_rank_main, args=(rank, env, timeout, linger, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -77,7 +84,8 @@ def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -
 def _describe(outcome: RankOutcome) -> str:
     if outcome.hung:
         return f"rank {outcome.rank} hung"
-    return f"rank {outcome.rank}: {outcome.error_type}: {outcome.error} (exit {outcome.exitcode})"
+    where = outcome.value if isinstance(outcome.value, str) else ""
+    return f"rank {outcome.rank}: {outcome.error_type}: {outcome.error} (exit {outcome.exitcode})\n{where}"
 
 
 def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
@@ -103,7 +111,7 @@ def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
     return outcomes
 
 
-def _rank_main(rank: int, env: dict, timeout: float, fn, args, results) -> None:
+def _rank_main(rank: int, env: dict, timeout: float, linger: bool, fn, args, results) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=env["WORLD_SIZE"])
     from pipeclock import comms
 
@@ -119,7 +127,7 @@ def _rank_main(rank: int, env: dict, timeout: float, fn, args, results) -> None:
     results.put(outcome)
     results.close()
     results.join_thread()
-    if outcome.ok:
+    if outcome.ok and linger:
         # Stay until every rank is done, so no rank leaves while a peer still reads from it.
         with contextlib.suppress(Exception):
             comms.barrier("leaving the test")

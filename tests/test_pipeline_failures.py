@@ -1,0 +1,151 @@
+"""Fail loud, never hang: bad configurations, dead peers, hung peers and broken stages.
+
+Every case runs on real gloo processes. A configuration error is the same ``ValueError`` on every rank,
+raised before any pipeline message; a peer that dies or hangs makes the others fail within the timeout
+with a message that names the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from pipeclock import comms, schedule
+from pipeclock.actions import parse_schedule
+from pipeclock.model import ShardedMLP
+from pipeclock.orchestrator import StageError
+from pipeclock.simulate import DeadlockError
+from tests.distributed import run_ranks
+
+
+def _error_of(build_and_step) -> str:
+    try:
+        build_and_step()
+    except (ValueError, DeadlockError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _deadlocking(p: int, m: int):
+    """Rank 0 wants B0 before its own F0: it can never start."""
+    return parse_schedule(["B0 F0", "F0 B0"])
+
+
+def _bad_configurations(rank: int, world: int) -> dict[str, str]:
+    stage = ShardedMLP(4, 4, rank, world)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    cases = {
+        "zero micro-batches": lambda: schedule.Pipeline(stage, "1f1b", 0),
+        "unknown schedule": lambda: schedule.Pipeline(stage, "fastest", 2),
+        "chunks the schedule cannot use": lambda: schedule.Pipeline([stage, stage], "1f1b", 2),
+        "custom schedule that deadlocks": lambda: schedule.Pipeline(stage, _deadlocking, 1),
+        "batch smaller than m": lambda: schedule.Pipeline(stage, "gpipe", 8).step(x, y),
+        "ranks disagree on m": lambda: schedule.Pipeline(stage, "gpipe", 2 + rank).step(x, y),
+        "no inputs on the first stage": lambda: schedule.Pipeline(stage, "gpipe", 2).step(None, y),
+        "targets of another batch": lambda: schedule.Pipeline(stage, "gpipe", 2).step(x, y[:5]),
+    }
+    return {name: _error_of(case) for name, case in cases.items()}
+
+
+def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
+    outcomes = run_ranks(_bad_configurations, 2, timeout=10)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    expected = {
+        "zero micro-batches": "ValueError: rank {r}: num_microbatches must be an integer in 1..65535, got 0",
+        "unknown schedule": "ValueError: rank {r}: unknown schedule 'fastest'; known schedules: "
+        "naive, gpipe, 1f1b, interleaved-1f1b, zb-h1",
+        "chunks the schedule cannot use": "ValueError: rank {r}: schedule '1f1b' has one chunk per rank; "
+        "cannot use chunks=2",
+        "batch smaller than m": "ValueError: rank {r}: a batch of 6 samples cannot be split into 8 "
+        "micro-batches (each needs at least one sample)",
+        "ranks disagree on m": "ValueError: rank {r}: ranks disagree on micro-batches, chunks or schedule "
+        "(rank 0: m=2, chunks=1; rank 1: m=3, chunks=1)",
+        "no inputs on the first stage": "ValueError: rank {r}: the first stage (rank 0) was given no "
+        "inputs tensor",
+        "targets of another batch": "ValueError: rank {r}: 6 inputs but 5 targets in the batch",
+    }
+    for outcome in outcomes:
+        for name, message in expected.items():
+            assert outcome.value[name] == message.format(r=outcome.rank), name
+        assert outcome.value["custom schedule that deadlocks"].startswith(
+            "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"
+        )
+
+
+class _DiesOnThirdForward(nn.Module):
+    """A stage whose process crashes (no goodbye) in the middle of the second step."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 6:
+            os._exit(9)
+        return self.inner(x)
+
+
+class _HangsOnce(_DiesOnThirdForward):
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            time.sleep(4)
+        return self.inner(x)
+
+
+def _train_until_failure(rank: int, world: int, victim: int, kind: str) -> tuple[str, str, float]:
+    stage: nn.Module = ShardedMLP(8, 6, rank, world)
+    if rank == victim:
+        stage = {"dies": _DiesOnThirdForward, "hangs": _HangsOnce}[kind](stage)
+    pipe = schedule.Pipeline(stage, "1f1b", 4)
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            start = time.monotonic()
+            pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+    except comms.CommError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "no error", "", 0.0
+
+
+def test_a_peer_that_dies_mid_step_makes_its_neighbours_fail_fast_naming_it():
+    outcomes = run_ranks(_train_until_failure, 3, 1, "dies", timeout=20, linger=False)
+    assert outcomes[1].exitcode == 9
+    for rank in (0, 2):
+        kind, message, seconds = outcomes[rank].value
+        assert kind == "PeerGoneError" and seconds < 10, (rank, kind, message, seconds)
+        assert message.startswith(f"rank {rank}: lost the connection to rank 1 while receiving the ")
+
+
+def test_a_peer_that_hangs_mid_step_is_a_timeout_within_the_timeout():
+    outcomes = run_ranks(_train_until_failure, 2, 1, "hangs", timeout=2, linger=False)
+    kind, message, seconds = outcomes[0].value
+    assert kind == "CommTimeoutError" and 2.0 <= seconds < 5.0, (kind, message, seconds)
+    assert message.startswith(
+        "rank 0: receiving the gradient of micro-batch 1 for stage 0 from rank 1 did not"
+    )
+    assert "within 2s" in message
+
+
+def _mismatched_stages(rank: int, world: int) -> tuple[str, str]:
+    stage = nn.Linear(4, 4) if rank == 0 else nn.Linear(5, 3)  # rank 1 expects width 5, gets 4
+    try:
+        schedule.Pipeline(stage, "gpipe", 2).step(torch.randn(4, 4), torch.randn(4, 3))
+    except (StageError, comms.CommError) as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def test_a_stage_that_cannot_take_its_input_names_its_rank_and_action():
+    outcomes = run_ranks(_mismatched_stages, 2, timeout=20, linger=False)
+    kind, message = outcomes[1].value
+    assert kind == "StageError"
+    assert message.startswith(
+        "rank 1: F0 (virtual stage 1) failed: mat1 and mat2 shapes cannot be multiplied"
+    )
+    kind, message = outcomes[0].value
+    assert kind == "PeerGoneError" and message.startswith("rank 0: lost the connection to rank 1")

@@ -1,0 +1,153 @@
+"""The central property: a pipelined step leaves the one-process model's loss and gradients.
+
+For every schedule, stage count p, micro-batch count m, even and uneven batches, on ShardedMLP and on an
+``nn.Sequential`` whose widths and layer kinds change, each rank's ``.grad`` equals (relative difference
+<= 1e-5) the gradient the whole model computes on one process for the whole batch. Real gloo processes,
+one launch per stage count, with every case of that stage count run inside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeclock import schedule
+from pipeclock.model import ShardedMLP, split_sequential
+from pipeclock.train import TrainConfig, train
+from tests.distributed import run_ok
+
+TOLERANCE = 1e-5
+SCHEDULE_CHUNKS = {"naive": [1], "gpipe": [1], "1f1b": [1], "interleaved-1f1b": [2, 3], "zb-h1": [1]}
+
+
+def varied_sequential(seed: int = 0) -> nn.Sequential:
+    """Widths change at every Linear, with GELU, LayerNorm, Tanh and SiLU between: a non-MLP stage mix."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 10), nn.GELU(), nn.LayerNorm(10), nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 7),
+        nn.SiLU(), nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3),
+    )  # fmt: skip
+
+
+def microbatch_counts(p: int) -> list[int]:
+    return sorted({1, 2, 3, p, 2 * p + 1})
+
+
+def build(model_kind: str, rank: int, p: int, chunks: int):
+    """(this rank's modules, the one-process reference, input width, output width)."""
+    if model_kind == "mlp":
+        return ShardedMLP.for_rank(8, 16, rank, p, chunks, seed=5), ShardedMLP(8, 16, seed=5), 8, 8
+    parts = split_sequential(varied_sequential(), rank, p, chunks)
+    return (parts if chunks > 1 else [parts]), varied_sequential(), 6, 3
+
+
+def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def one_case(rank: int, p: int, name: str, chunks: int, m: int, batch: int, model_kind: str) -> float:
+    """Worst relative gap (loss and every gradient) between the pipeline and the reference."""
+    modules, reference, width_in, width_out = build(model_kind, rank, p, chunks)
+    generator = torch.Generator().manual_seed(batch * 31 + m)
+    inputs, targets = (
+        torch.randn(batch, width_in, generator=generator),
+        torch.randn(batch, width_out, generator=generator),
+    )
+    loss = schedule.Pipeline(modules, name, m, F.mse_loss).step(inputs, targets)
+    want_loss = F.mse_loss(reference(inputs), targets)
+    want_loss.backward()
+    wanted = dict(reference.named_parameters())
+    gaps = [abs(loss - want_loss.item()) / abs(want_loss.item())]
+    for module in modules:
+        for param_name, param in module.named_parameters():
+            gaps.append(relative_gap(param.grad, wanted[param_name].grad))
+    return max(gaps)
+
+
+def all_cases_on(rank: int, p: int) -> dict[tuple, float]:
+    results = {}
+    for name, chunk_options in SCHEDULE_CHUNKS.items():
+        for chunks in chunk_options:
+            for m in microbatch_counts(p):
+                for batch in (4 * m, 4 * m + 3):  # even, then uneven micro-batches
+                    for model_kind in ("mlp", "sequential"):
+                        if model_kind == "sequential" and p * chunks > 12:
+                            continue
+                        key = (name, chunks, m, batch, model_kind)
+                        results[key] = one_case(rank, p, *key)
+    return results
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_every_schedule_leaves_the_one_process_gradients(p):
+    per_rank = run_ok(all_cases_on, p, deadline=420)
+    cases = per_rank[0].keys()
+    assert len(cases) >= 5 * len(microbatch_counts(p)) * 2 * 2
+    worst = {case: max(results[case] for results in per_rank) for case in cases}
+    bad = {case: gap for case, gap in worst.items() if gap > TOLERANCE}
+    assert not bad, f"gradients differ from the one-process model in {len(bad)} cases: {bad}"
+
+
+def two_sgd_steps(rank: int, p: int, name: str) -> list[float]:
+    """Two optimizer steps in a row: the weights after them, compared with the reference's."""
+    chunks = 2 if name == "interleaved-1f1b" else 1
+    modules, reference, _, _ = build("mlp", rank, p, chunks)
+    pipe = schedule.Pipeline(modules, name, 3)
+    mine = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=0.1, momentum=0.9)
+    theirs = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(10, 8, generator=generator), torch.randn(10, 8, generator=generator)
+        for optimizer in (mine, theirs):
+            optimizer.zero_grad()
+        pipe.step(inputs, targets)
+        F.mse_loss(reference(inputs), targets).backward()
+        mine.step()
+        theirs.step()
+    wanted = dict(reference.named_parameters())
+    return [relative_gap(q, wanted[n]) for mod in modules for n, q in mod.named_parameters()]
+
+
+def two_steps_every_schedule(rank: int, p: int) -> dict[str, float]:
+    return {name: max(two_sgd_steps(rank, p, name)) for name in schedule.SCHEDULES}
+
+
+def test_two_optimizer_steps_in_a_row_match_the_one_process_model():
+    per_rank = run_ok(two_steps_every_schedule, 3)
+    worst = {name: max(r[name] for r in per_rank) for name in schedule.SCHEDULES}
+    assert all(gap <= TOLERANCE for gap in worst.values()), worst
+
+
+def twenty_steps(rank: int, p: int) -> dict[str, list[float]]:
+    return {
+        name: train(TrainConfig(schedule=name, microbatches=4, hidden=32, batch_size=18, steps=20)).losses
+        for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    }
+
+
+def one_process_losses(steps: int = 20) -> list[float]:
+    from pipeclock.data import SyntheticRegression
+
+    model, data = ShardedMLP(32, 16), SyntheticRegression(32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=TrainConfig().lr)
+    losses = []
+    for step in range(steps):
+        inputs, targets = data.batch(step, 18)
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_twenty_step_training_run_follows_the_one_process_loss_curve():
+    per_rank = run_ok(twenty_steps, 2)
+    expected = one_process_losses()
+    assert expected[-1] < expected[0] / 2, "the run really learns"
+    for name, losses in per_rank[0].items():
+        assert losses == per_rank[1][name], "every rank reports the same loss"
+        gaps = [abs(a - b) / b for a, b in zip(losses, expected, strict=True)]
+        assert max(gaps) <= TOLERANCE, (name, max(gaps))

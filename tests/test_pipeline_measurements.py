@@ -1,0 +1,109 @@
+"""What a run measures: activation memory, the timeline, and the main job that reports them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeclock import schedule
+from pipeclock.metrics import ProcessMeter, gather_run
+from pipeclock.microbatch import loss_weights, microbatch_sizes, split_microbatches
+from pipeclock.model import ShardedMLP
+from pipeclock.simulate import simulate
+from tests.distributed import run_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_split_microbatches_sizes_differ_by_at_most_one_and_weights_sum_to_one():
+    for batch in range(1, 20):
+        for n in range(1, batch + 1):
+            parts = split_microbatches(torch.arange(batch), n)
+            sizes = [len(part) for part in parts]
+            assert torch.equal(torch.cat(parts), torch.arange(batch))
+            assert max(sizes) - min(sizes) <= 1 and sizes == microbatch_sizes(batch, n)
+            assert abs(sum(loss_weights(sizes)) - 1.0) < 1e-12
+    with pytest.raises(ValueError, match="a batch of 3 samples cannot be split into 4 micro-batches"):
+        split_microbatches(torch.zeros(3), 4)
+
+
+def _peaks_and_spans(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("naive", "gpipe", "1f1b", "zb-h1"):
+        pipe = schedule.Pipeline(ShardedMLP(16, 8, rank, world), name, 4)
+        pipe.step(torch.randn(16, 16), torch.randn(16, 16))
+        out[name] = (pipe.last.peak_activation_bytes, pipe.last.spans, [str(a) for a in pipe.actions])
+    report = gather_run([pipe.last], ProcessMeter())
+    out["gathered"] = None if report is None else (len(report.ranks), report.timelines[0].num_microbatches)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps() -> list[dict]:
+    """One launch of 2 ranks, one step of each schedule, shared by the tests below."""
+    return run_ok(_peaks_and_spans, 2)
+
+
+def test_measured_activation_memory_follows_the_simulated_live_micro_batches(two_rank_steps):
+    per_rank = two_rank_steps
+    for rank, results in enumerate(per_rank):
+        one_microbatch = results["naive"][0]  # naive holds exactly one micro-batch at a time
+        assert one_microbatch > 0
+        for name in ("gpipe", "1f1b", "zb-h1"):
+            live = simulate(schedule.generate(name, 2, 4)).peak_live(rank)
+            assert results[name][0] == live * one_microbatch, (name, rank, results[name][0], live)
+
+
+def test_every_action_has_one_span_in_order_and_spans_do_not_overlap(two_rank_steps):
+    per_rank = two_rank_steps
+    for rank, results in enumerate(per_rank):
+        for name in ("naive", "gpipe", "1f1b", "zb-h1"):
+            _, spans, actions = results[name]
+            assert [str(s.action) for s in spans] == actions
+            assert all(s.rank == rank and 0 <= s.wait <= s.end - s.start for s in spans)
+            assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
+    assert per_rank[0]["gathered"] == (2, 4) and per_rank[1]["gathered"] is None
+
+
+@pytest.mark.slow
+def test_the_main_job_trains_reports_and_writes_its_timeline(tmp_path):
+    trace, png = tmp_path / "trace.json", tmp_path / "timeline.png"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "pipeclock", "train", "--schedule", "gpipe", "--microbatches", "4", "--steps", "30",
+        "--hidden", "64", "--batch-size", "32", "--trace", str(trace), "--png", str(png),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.startswith("pipeclock train: gpipe, 2 stage(s) x 1 chunk(s), 4 micro-batches")
+    first = float(re.search(r"step\s+0\s+loss ([\d.]+)", out).group(1))
+    final = float(re.search(r"final loss ([\d.]+) after 30 steps\n$", out).group(1))
+    assert final < first / 2
+    assert re.search(r"bubble\s+measured [\d.]+% of the step; formula \(p-1\)/\(m\+p-1\) = 20.0%", out)
+    assert len(re.findall(r"^\s+[01]\s+[\d.]+%\s+[\d.]+%\s+\d+%\s+[\d.]+ MiB\s+\d+ MiB$", out, re.M)) == 2
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 30 * 2 * 8  # steps x ranks x (4 F + 4 B)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_bad_main_job_configuration_is_one_clear_line_per_rank():
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "pipeclock", "train", "--microbatches", "8", "--batch-size", "4", "--steps", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    for rank in (0, 1):
+        assert (
+            f"pipeclock train: error: rank {rank}: a batch of 4 samples cannot be split into 8 micro-batches"
+            in done.stderr
+        )
