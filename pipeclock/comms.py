@@ -43,6 +43,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 
 _timeout: float = 60.0
 _channel_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+# Looked up once per process, not once per message: the hot path sends thousands of messages a second.
+_rank: int | None = None
+_device: torch.device | None = None
+_routes: dict[tuple[int, int], tuple[dist.ProcessGroup, int]] = {}
 
 
 class CommError(RuntimeError):
@@ -92,7 +96,10 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
 
 def shutdown() -> None:
     """Leave the process group (safe to call twice, or without ``init``)."""
+    global _rank, _device
     _channel_groups.clear()
+    _routes.clear()
+    _rank = _device = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -106,9 +113,11 @@ def threads_per_process() -> int:
 
 def device() -> torch.device:
     """Where this rank computes: its own GPU under nccl, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", _local_rank())
-    return torch.device("cpu")
+    global _device
+    if _device is None or not dist.is_initialized():
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        _device = torch.device("cuda", _local_rank()) if nccl else torch.device("cpu")
+    return _device
 
 
 def timeout() -> float:
@@ -137,7 +146,12 @@ def _create_channel_groups() -> None:
 
 
 def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    global _rank
+    if not dist.is_initialized():
+        return 0
+    if _rank is None:
+        _rank = dist.get_rank()
+    return _rank
 
 
 def get_world_size() -> int:
@@ -221,7 +235,8 @@ class PendingRecv:
 def isend(tensor: torch.Tensor, dest: int, tag: int = 0, what: str | None = None) -> PendingSend:
     """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
     tensor = tensor.detach().contiguous()
-    return PendingSend(dist.isend(tensor, dest, group=_group(get_rank(), dest), tag=tag), tensor, dest, what)
+    group, peer = _route(get_rank(), dest, dest)
+    return PendingSend(group.send([tensor], peer, tag), tensor, dest, what)
 
 
 def irecv(
@@ -233,11 +248,21 @@ def irecv(
 ) -> PendingRecv:
     """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
     tensor = torch.empty(shape, dtype=dtype, device=device())
-    return PendingRecv(dist.irecv(tensor, src, group=_group(src, get_rank()), tag=tag), tensor, src, what)
+    group, peer = _route(src, get_rank(), src)
+    return PendingRecv(group.recv([tensor], peer, tag), tensor, src, what)
 
 
-def _group(src: int, dst: int) -> dist.ProcessGroup | None:
-    return _channel_groups.get((src, dst))
+def _route(src: int, dst: int, peer: int) -> tuple[dist.ProcessGroup, int]:
+    """The process group that carries messages from ``src`` to ``dst``, and ``peer``'s rank in it.
+
+    This is what ``dist.isend``/``dist.irecv`` work out on every call; here it is worked out once per
+    channel, and the group's ``send``/``recv`` are called directly.
+    """
+    key = (src, dst)
+    if key not in _routes:
+        group = _channel_groups.get(key) or dist.group.WORLD
+        _routes[key] = (group, dist.get_group_rank(group, peer))
+    return _routes[key]
 
 
 # --- headers: telling a receiver what is coming -------------------------------------------------------

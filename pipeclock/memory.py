@@ -20,7 +20,8 @@ class ActivationMeter:
     """Measures and tracks the activation bytes of the micro-batches in flight on one rank."""
 
     def __init__(self, modules: Iterable[nn.Module]):
-        self._parameter_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        # A saved weight is often a view (``weight.t()``) starting where the parameter does.
+        self._parameter_pointers = {p.data_ptr() for m in modules for p in m.parameters()}
         self._bytes: dict[object, int] = {}
         self.live = 0
         self.peak = 0
@@ -33,23 +34,25 @@ class ActivationMeter:
     @contextmanager
     def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
         """Count what autograd saves inside the block, plus the tensors in ``stashed`` (read at exit)."""
-        seen: dict[tuple[int, int], int] = {}
+        saved: list[torch.Tensor] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self._note(tensor, seen)
+            saved.append(tensor)  # the hook runs per saved tensor: keep it to an append
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
-        for tensor in stashed:
-            self._note(tensor, seen)
-        self._bytes[key] = sum(seen.values())
+        self._bytes[key] = self._distinct_bytes(saved + stashed)
 
-    def _note(self, tensor: torch.Tensor, seen: dict[tuple[int, int], int]) -> None:
-        if tensor.untyped_storage().data_ptr() in self._parameter_storages:
-            return
-        nbytes = tensor.numel() * tensor.element_size()
-        seen[(tensor.data_ptr(), nbytes)] = nbytes
+    def _distinct_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct non-parameter tensors among ``tensors``."""
+        seen: dict[tuple[int, int], int] = {}
+        for tensor in tensors:
+            pointer = tensor.data_ptr()
+            if pointer not in self._parameter_pointers:
+                nbytes = tensor.numel() * tensor.element_size()
+                seen[(pointer, nbytes)] = nbytes
+        return sum(seen.values())
 
     def hold(self, key: object) -> None:
         """The micro-batch ``key`` has finished its forward: its bytes are now held."""
