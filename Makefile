@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torchrun --nproc-per-node 2 -m pipeclock train --schedule 1f1b --trace demo-trace.json --png demo-timeline.png
+	$(BIN)/torchrun --standalone --nproc-per-node 2 -m pipeclock train --schedule 1f1b --trace runs/demo/trace.json --png runs/demo/timeline.png
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests
