@@ -218,6 +218,8 @@ class _StepRun:
             raise StageError(
                 f"rank {self.pipe.rank}: {action} (virtual stage {stage}) failed: {error}"
             ) from error
+        if self.pipe.device.type == "cuda":
+            torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
         self.spans.append(Span(self.pipe.rank, action, start, time.perf_counter(), messenger.wait_seconds))
 
     def forward(self, action: Action) -> None:
