@@ -178,10 +178,11 @@ def wait(work: dist.Work, what: str, peer: int | None = None) -> None:
     try:
         work.wait(datetime.timedelta(seconds=_timeout))
     except RuntimeError as error:
-        raise _explain(error, what, peer) from error
+        raise explain(error, what, peer) from error
 
 
-def _explain(error: RuntimeError, what: str, peer: int | None) -> CommError:
+def explain(error: RuntimeError, what: str, peer: int | None = None) -> CommError:
+    """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and ``peer``."""
     text = str(error)
     who = f"rank {get_rank()}"
     other = f"rank {peer}" if peer is not None else "a peer"
@@ -369,5 +370,5 @@ def gather_object(obj: object, what: str, dst: int = 0) -> list[object] | None:
     try:
         dist.gather_object(obj, gathered, dst=dst)
     except RuntimeError as error:
-        raise _explain(error, what, dst) from error
+        raise explain(error, what, dst) from error
     return gathered

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -93,7 +94,7 @@ def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
     end = time.monotonic() + deadline
     while len(outcomes) < len(procs) and time.monotonic() < end:
         try:
-            outcome = results.get(timeout=0.2)
+            outcome = pickle.loads(results.get(timeout=0.2))
             outcomes[outcome.rank] = outcome
         except Exception:
             for rank, proc in enumerate(procs):
@@ -124,7 +125,8 @@ def _rank_main(rank: int, env: dict, timeout: float, linger: bool, fn, args, res
         outcome = RankOutcome(rank, error_type=type(error).__name__, error=str(error))
         outcome.value = traceback.format_exc()
     outcome.seconds = time.monotonic() - start
-    results.put(outcome)
+    # Plain pickle, by value: torch would send tensors through shared memory, gone once this rank exits.
+    results.put(pickle.dumps(outcome))
     results.close()
     results.join_thread()
     if outcome.ok and linger:

@@ -2,14 +2,25 @@
 
 The number of stages is the number of processes torchrun starts. Rank 0 prints the progress, then the
 run's measurements, and the last line is ``final loss <value> after <N> steps``.
+
+With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
+checkpoint there, so ``torchrun --max-restarts K ... --resume`` survives a rank that dies: the survivors
+fail fast (exit 1), torchrun restarts the group, and the run goes on from its last checkpoint. With
+torch 2.13, launch such a job with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun keeps
+one store for every attempt, and a restarted group can read the dead attempt's addresses from it and fail
+or hang in its first collective (pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
 
 from pipeclock import comms
+from pipeclock.checkpoint import CheckpointError
 from pipeclock.generators import SCHEDULES
 from pipeclock.report import draw_timelines, summary_lines, write_trace
 from pipeclock.train import Progress, TrainConfig, schedule_table, train
@@ -37,6 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints in DIR (after the last step, at least)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", metavar="N", type=int, default=defaults.checkpoint_every,
+        help="also save every N steps (default: only after the last step)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint-dir, with any number of stages "
+        "(starts fresh, and says so, when there is none); with torchrun --max-restarts, a restarted group "
+        "goes on from there",
+    )  # fmt: skip
+    parser.add_argument(
+        "--losses", metavar="FILE",
+        help='write the loss of every step this run did as JSON: {"first_step": s, "losses": [...]}',
+    )  # fmt: skip
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
@@ -51,6 +79,9 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         "lr",
         "seed",
         "timeout",
+        "checkpoint_dir",
+        "checkpoint_every",
+        "resume",
     )
     return TrainConfig(**{name: getattr(args, name) for name in fields})
 
@@ -59,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from(args)
     try:
         return _train_and_report(config, args)
-    except (ValueError, comms.CommError) as error:
+    except (ValueError, comms.CommError, CheckpointError) as error:
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1
     finally:
@@ -71,10 +102,18 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
     boss = rank == 0
     if boss:
         print(_headline(config, world), flush=True)
+        if _restarts_share_a_store():
+            print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
     progress = Progress(config.steps, enabled=boss)
     result = train(config, on_step=progress)
     progress.close()
     if not boss:
+        return 0
+    if args.losses:
+        _write_losses(args.losses, result.first_step, result.losses)
+    if not result.losses:
+        print(f"nothing to train: the checkpoint is at step {result.first_step}, --steps is {config.steps}")
+        print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
         return 0
     table = schedule_table(config, world)
     print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size)))
@@ -84,8 +123,26 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
     if args.png:
         path = draw_timelines(result.report, table, args.png, config.schedule)
         print(f"timelines drawn to {path}")
-    print(f"final loss {result.losses[-1]:.6f} after {config.steps} steps", flush=True)
+    print(f"final loss {result.final_loss:.6f} after {config.steps} steps", flush=True)
     return 0
+
+
+def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
+    """Exact values (JSON keeps a float's every digit), so runs can be compared bit for bit."""
+    Path(path).write_text(json.dumps({"first_step": first_step, "losses": losses}) + "\n")
+
+
+_SHARED_STORE_WARNING = (
+    "pipeclock train: warning: torchrun keeps one store for every restart, so a restarted group can read "
+    "the dead attempt's addresses and fail or hang (pytorch/pytorch#135712); launch with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to restart safely"
+)
+
+
+def _restarts_share_a_store() -> bool:
+    """True under ``torchrun --max-restarts K`` (K > 0) with the store shared between attempts."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _headline(config: TrainConfig, world: int) -> str:

@@ -1,0 +1,271 @@
+"""Checkpoints: save a run, resume it with any number of stages, export it as one plain model.
+
+The format is ``torch.distributed.checkpoint`` (DCP). Every rank writes only what it holds: its layers'
+parameters and their Adam state, under the full model's names (``model.layers.7.weight``,
+``optim.state.layers.7.weight.exp_avg``), never a stage-local index. DCP's metadata records which file
+holds which key, so a checkpoint saved by p stages resumes on p' stages: each rank asks for the keys of
+the layers it now holds and DCP reads just those. Besides the model, a checkpoint holds the step, the
+last loss, the data position and each rank's RNG state.
+
+On disk, one directory per checkpoint::
+
+    DIR/step_000010/
+        .metadata        DCP's index of every key (written by rank 0)
+        __0_0.distcp     rank 0's tensors, and the keys every rank shares (step, loss, ...)
+        __1_0.distcp     rank 1's tensors
+        pipeclock.json   the run's model (hidden, layers, seed) and its stages, for export and resume
+
+A save is atomic: it is written into ``step_000010.partial/`` and renamed once every rank has written its
+file and rank 0 the metadata. A directory with the suffix is never read, so a run killed mid-save leaves
+the previous checkpoint the newest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from pipeclock import comms
+from pipeclock.model import ShardedMLP
+
+PARTIAL = ".partial"
+RUN_FILE = "pipeclock.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+# One key per parameter for the optimizer too, so each rank saves and loads only its own layers' state.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be found, read or written; the message says which and why."""
+
+
+@dataclass
+class Position:
+    """Where a saved run stopped: steps done, the last step's loss, and the index of the next batch."""
+
+    step: int
+    loss: float
+    data_position: int
+
+
+# --- where checkpoints live ------------------------------------------------------------------------------
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """The directory of the checkpoint taken after ``step`` steps."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The step a checkpoint directory was taken at (``step_000010`` -> 10)."""
+    return int(_STEP_DIR.fullmatch(Path(path).name).group(1))
+
+
+def newest(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None; ``.partial`` directories never count."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    complete = [path for path in root.iterdir() if _STEP_DIR.fullmatch(path.name) and _is_complete(path)]
+    return max(complete, key=step_of, default=None)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """``path`` itself if it is a complete checkpoint, else the newest one under it."""
+    path = Path(path)
+    if _is_complete(path):
+        return path
+    found = newest(path)
+    if found is None:
+        why = "it does not exist" if not path.exists() else "no complete step_NNNNNN directory in it"
+        raise CheckpointError(f"no checkpoint in {path}: {why}")
+    return found
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / RUN_FILE).is_file()
+
+
+def read_run(path: str | os.PathLike) -> dict:
+    """The run description saved with a checkpoint (hidden, layers, seed, stages, chunks, schedule, step)."""
+    return json.loads((Path(path) / RUN_FILE).read_text())
+
+
+# --- saving and loading (every rank calls these together) -------------------------------------------------
+
+
+def save(
+    root: str | os.PathLike,
+    position: Position,
+    modules: Sequence[ShardedMLP],
+    optimizer: torch.optim.Optimizer,
+    run: dict,
+) -> Path:
+    """Save this rank's share of the run after ``position.step`` steps; returns the checkpoint directory.
+
+    ``run`` describes the model (at least ``hidden`` and ``layers``); rank 0 writes it beside DCP's files.
+    """
+    final = step_dir(root, position.step)
+    partial = final.with_name(final.name + PARTIAL)
+    if comms.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    comms.barrier(f"preparing {partial}")
+    with _explained(f"saving {partial}"):
+        dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
+    # DCP's save returns on rank 0 after every rank reported its file written and the metadata is on
+    # disk, so the checkpoint is complete when rank 0 renames it.
+    if comms.get_rank() == 0:
+        _write_json(partial / RUN_FILE, {**run, "step": position.step, "stages": comms.get_world_size()})
+        os.replace(partial, final)
+        _sync_directory(final.parent)
+    return final
+
+
+def load(
+    path: str | os.PathLike, modules: Sequence[ShardedMLP], optimizer: torch.optim.Optimizer
+) -> Position:
+    """Load the checkpoint at ``path`` into this rank's layers and optimizer; returns where it stopped.
+
+    Works whatever the number of stages that saved it: only the keys of this rank's layers are read.
+    """
+    state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
+    with _explained(f"loading {path}"):
+        dcp.load(state, checkpoint_id=path)
+    view = _StageView(modules)
+    set_state_dict(
+        view, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+    )
+    _set_rng(state["rng"])
+    progress = state["progress"]
+    return Position(progress["step"], progress["loss"], progress["data_position"])
+
+
+def agreed_newest(root: str | os.PathLike) -> Path | None:
+    """``newest(root)`` as rank 0 sees it, on every rank: all ranks resume from the same checkpoint."""
+    found = newest(root) if comms.get_rank() == 0 else None
+    step = torch.tensor(-1 if found is None else step_of(found), dtype=torch.int64, device=comms.device())
+    step = int(comms.broadcast(step, 0, "agreeing on the checkpoint to resume from"))
+    return None if step < 0 else step_dir(root, step)
+
+
+# --- the whole model in one process (export) ---------------------------------------------------------------
+
+
+def load_full_model(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole model's ``state_dict`` from the checkpoint at ``path``, and its run description.
+
+    Needs no process group: the one process reads every layer's key. The state_dict loads into
+    ``ShardedMLP(hidden, layers)``.
+    """
+    run = read_run(path)
+    state = {"model": ShardedMLP(run["hidden"], run["layers"], seed=run.get("seed", 0)).state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"], run
+
+
+# --- what a rank saves ---------------------------------------------------------------------------------
+
+
+class _StageView(nn.Module):
+    """This rank's chunks as one module whose parameter names are the full model's (``layers.7.weight``).
+
+    DCP's state_dict helpers name the optimizer's state after the parameters of the module they are given;
+    seen through this view, layer 7's Adam state is ``state.layers.7.weight.exp_avg`` on whichever rank.
+    """
+
+    def __init__(self, modules: Sequence[ShardedMLP]):
+        super().__init__()
+        self.layers = nn.ModuleDict({index: layer for m in modules for index, layer in m.layers.items()})
+
+
+def _full_state(
+    modules: Sequence[ShardedMLP],
+    optimizer: torch.optim.Optimizer,
+    position: Position,
+    rng_rank: int | None = None,
+) -> dict:
+    """The state_dict this rank gives DCP; the same top-level keys on every rank, as DCP requires.
+
+    For a load, the values are placeholders of the right shapes that DCP fills in place; ``rng_rank``
+    names the rank whose saved RNG state this rank takes.
+    """
+    model, optim = get_state_dict(_StageView(modules), optimizer, options=_OPTIONS)
+    rank = comms.get_rank() if rng_rank is None else rng_rank
+    return {
+        "model": model,
+        "optim": optim,
+        "progress": {"step": position.step, "loss": position.loss, "data_position": position.data_position},
+        "rng": {str(rank): _rng_state()},
+    }
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng(saved: dict[str, dict[str, torch.Tensor]]) -> None:
+    (state,) = saved.values()
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_source(path: str | os.PathLike) -> int:
+    """This rank's own saved RNG state, or rank 0's when the saving run had fewer ranks."""
+    rank = comms.get_rank()
+    return rank if rank < read_run(path)["stages"] else 0
+
+
+# --- files and errors ------------------------------------------------------------------------------------
+
+
+def _write_json(path: Path, content: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(content, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _explained(what: str) -> Iterator[None]:
+    """Turn DCP's failures into pipeclock's: a dead or silent peer is a ``CommError`` naming this rank."""
+    try:
+        yield
+    except dcp.CheckpointException as error:
+        raise CheckpointError(f"rank {comms.get_rank()}: {what} failed: {_first_failure(error)}") from None
+    except RuntimeError as error:
+        raise comms.explain(error, what) from error
+
+
+def _first_failure(error: dcp.CheckpointException) -> str:
+    for rank, (exception, _) in sorted(error.failures.items()):
+        return f"on rank {rank}: {type(exception).__name__}: {str(exception).splitlines()[0]}"
+    return str(error)

@@ -1,0 +1,363 @@
+"""Checkpoints: a resumed run is the uninterrupted run, whatever the stages, a dead rank or a killed save.
+
+Every run is real: ``torchrun ... -m pipeclock train`` processes, or gloo processes from
+``tests.distributed``. Starting processes costs seconds, so the runs are made once, in two waves of
+concurrent launches (``runs``), and the tests below compare what they left: their losses (JSON, exact
+floats), their logs and their checkpoints.
+
+Run as a module under torchrun (``-m tests.test_checkpoint STEP train ...``) this file is the train
+command with one twist: local rank 1 of torchrun's first attempt SIGKILLs itself after step STEP, so the
+death happens at a known step and the test depends on no timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pipeclock import checkpoint, cli, comms
+from pipeclock.model import ShardedMLP
+from pipeclock.train import TrainConfig, train
+from tests.distributed import run_ok, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"hidden": 32, "layers": 8, "batch_size": 16, "microbatches": 4}
+STEPS = 20
+LAUNCH_TIMEOUT = 240.0
+
+
+def _flags(**options) -> list[str]:
+    flags = []
+    for name, value in {**MODEL, **options}.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+# --- launching ---------------------------------------------------------------------------------------------
+
+
+class Launch:
+    """One torchrun job, started now; ``result`` waits for it, ``stop`` kills what is left of it.
+
+    Its output goes to files, not pipes: a job whose pipe nobody reads while others run would block.
+    """
+
+    def __init__(
+        self, log: Path, stages: int, flags: list[str], *, restarts: int = 0, module: str = "pipeclock"
+    ):
+        env = dict(os.environ)
+        if restarts:
+            # torch 2.13's torchrun keeps one store across restarts, so a restarted group can read the dead
+            # attempt's addresses and fail or hang (pytorch#135712); a store per attempt avoids it.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
+            "--max-restarts", str(restarts), "-m", module, *flags,
+        ]  # fmt: skip
+        self.out, self.err = log.with_suffix(".out"), log.with_suffix(".err")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+    def result(self) -> str:
+        """The job's stdout; fails the test on a non-zero exit or a timeout."""
+        try:
+            self.proc.wait(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.stop()
+        out, err = self.out.read_text(), self.err.read_text()
+        assert self.proc.returncode == 0, f"{' '.join(self.command)}\n{out}\n{err}"
+        return out
+
+    def stop(self) -> None:
+        """Kill torchrun and its workers (each worker leads its own session: killing a group misses it)."""
+        if self.proc.poll() is not None:
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for worker in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.kill()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _losses(path: Path) -> tuple[int, list[float]]:
+    saved = json.loads(path.read_text())
+    return saved["first_step"], saved["losses"]
+
+
+def _final_loss(log: str) -> str:
+    return re.findall(r"^final loss ([\d.]+) after \d+ steps$", log, re.M)[-1]
+
+
+# --- the reference run (gloo processes: its trained stages are chained to check export) ------------------
+
+
+def _train_then_chain_the_stages(rank: int, world: int, directory: str, probe: torch.Tensor) -> dict:
+    """The uninterrupted run; then the probe through its stages, rank to rank, and through its export."""
+    config = TrainConfig(**MODEL, steps=STEPS, checkpoint_dir=directory, checkpoint_every=5)
+    result = train(config)
+    (stage,) = result.modules
+    with torch.no_grad():
+        x = probe if rank == 0 else comms.recv_tensor(None, rank - 1)
+        y = stage(x)
+    if rank + 1 < world:
+        comms.send_tensor(y, rank + 1)
+    outcome = {"losses": result.losses, "refusals": _refusals(config)}
+    if rank + 1 == world:
+        outcome |= _export_and_run(config, probe, y)
+    return outcome
+
+
+def _export_and_run(config: TrainConfig, probe: torch.Tensor, chained: torch.Tensor) -> dict:
+    """The export command, and the probe through the one-process model it loads into.
+
+    Run here, in a process like the stages': the matmul kernels torch picks depend on the process's
+    thread count, so only outputs computed alike can be compared bit for bit.
+    """
+    exported, stdout = f"{config.checkpoint_dir}.pt", io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = cli.main(["export", config.checkpoint_dir, exported])
+    model = ShardedMLP(config.hidden, config.layers)
+    model.load_state_dict(torch.load(exported))
+    with torch.no_grad():
+        output = model(probe)
+    # numpy copies: a tensor would cross the result queue by shared memory, gone when this process exits
+    return {
+        "export exit code": code,
+        "export says": stdout.getvalue(),
+        "stages chained": chained.numpy(),
+        "exported model": output.numpy(),
+    }
+
+
+def _refusals(config: TrainConfig) -> dict[str, str]:
+    """The same directory, misused: a fresh run into it, and a resume with another model."""
+    misuses = {
+        "fresh run": replace(config, checkpoint_every=0),
+        "other model": replace(config, hidden=16, resume=True),
+    }
+    refusals = {}
+    for name, misuse in misuses.items():
+        try:
+            train(misuse)
+            refusals[name] = "accepted"
+        except ValueError as error:
+            refusals[name] = str(error)
+    return refusals
+
+
+# --- a save that a rank does not survive -----------------------------------------------------------------
+
+
+def _die_while_saving_step_10(rank: int, world: int, directory: str) -> tuple[int, str]:
+    """The train command, with rank 1 SIGKILLed inside the save of step 10."""
+    save = checkpoint.dcp.save
+
+    def save_or_die(state, checkpoint_id):
+        if rank == 1 and Path(checkpoint_id).name == "step_000010.partial":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(state, checkpoint_id=checkpoint_id)
+
+    checkpoint.dcp.save = save_or_die
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = cli.main(["train", *_flags(steps=STEPS, checkpoint_dir=directory, checkpoint_every=5)])
+    return code, stderr.getvalue()
+
+
+# --- every run the tests compare ---------------------------------------------------------------------------
+
+
+@dataclass
+class Runs:
+    tmp: Path
+    reference: list[dict]  # per rank, from _train_then_chain_the_stages
+    logs: dict[str, str]
+    killed_save: list  # per rank RankOutcome of _die_while_saving_step_10
+
+    def losses(self, name: str) -> tuple[int, list[float]]:
+        return _losses(self.tmp / f"{name}.json")
+
+    @property
+    def reference_losses(self) -> list[float]:
+        return self.reference[0]["losses"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[Runs]:
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    d, j = tmp.joinpath, (lambda name: tmp / f"{name}.json")
+    started: list[Launch] = []
+
+    def train_job(name: str, stages: int, **options) -> Launch:
+        flags = [
+            "train",
+            *_flags(checkpoint_dir=d(options.pop("directory", name)), losses=j(name), **options),
+        ]
+        started.append(Launch(d(name), stages, flags))
+        return started[-1]
+
+    def killed_job(name: str, die_after: int) -> Launch:
+        flags = _flags(steps=STEPS, checkpoint_dir=d(name), checkpoint_every=5, resume=True, losses=j(name))
+        started.append(
+            Launch(d(name), 2, [str(die_after), "train", *flags], restarts=1, module="tests.test_checkpoint")
+        )
+        return started[-1]
+
+    probe = torch.randn(5, MODEL["hidden"], generator=torch.Generator().manual_seed(1))
+    try:
+        first = {"halt": train_job("halt", 2, steps=10), "four": train_job("four", 4, steps=10)}
+        reference = run_ok(_train_then_chain_the_stages, 2, str(d("reference")), probe, timeout=60)
+        logs = {name: launch.result() for name, launch in first.items()}
+        for stages in (2, 3):
+            shutil.copytree(d("four"), d(f"four_to_{stages}"))
+        second = {
+            "resume": train_job("resume", 2, directory="halt", steps=STEPS, resume=True),
+            "four_to_2": train_job("four_to_2", 2, steps=STEPS, resume=True),
+            "four_to_3": train_job(
+                "four_to_3", 3, steps=STEPS, resume=True, schedule="interleaved-1f1b", microbatches=6
+            ),
+            "killed": killed_job("killed", die_after=12),
+        }
+        killed_save = run_ranks(_die_while_saving_step_10, 2, str(d("killed_save")), timeout=60, linger=False)
+        logs |= {name: launch.result() for name, launch in second.items()}
+        yield Runs(tmp, reference, logs, killed_save)
+    finally:
+        for launch in started:
+            launch.stop()
+
+
+# --- the properties ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ten_steps_then_resume_for_ten_more_equals_twenty_steps_bit_for_bit(runs):
+    assert runs.losses("halt") == (0, runs.reference_losses[:10])
+    assert runs.losses("resume") == (10, runs.reference_losses[10:])
+    assert (
+        "resumed from" in runs.logs["resume"]
+        and "at step 10 (saved by 2 stage(s), now 2)" in runs.logs["resume"]
+    )
+    resumed, _ = checkpoint.load_full_model(runs.tmp / "halt" / "step_000020")
+    uninterrupted, _ = checkpoint.load_full_model(runs.tmp / "reference" / "step_000020")
+    assert resumed.keys() == uninterrupted.keys() and len(resumed) == 2 * MODEL["layers"]
+    assert all(torch.equal(resumed[key], uninterrupted[key]) for key in resumed)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_four_stages_resumes_on_two_and_three_on_the_same_loss_curve(runs):
+    first, losses = runs.losses("four")
+    assert first == 0 and losses == pytest.approx(runs.reference_losses[:10], rel=1e-5)
+    for stages in (2, 3):
+        first, losses = runs.losses(f"four_to_{stages}")
+        assert first == 10 and losses == pytest.approx(runs.reference_losses[10:], rel=1e-5)
+        assert f"at step 10 (saved by 4 stage(s), now {stages})" in runs.logs[f"four_to_{stages}"]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_ends_as_if_it_never_died(runs):
+    log = runs.logs["killed"]
+    assert "to resume from: starting fresh" in log  # the first attempt
+    assert "checkpoint saved: " in log and "step_000010 (step 10)" in log
+    assert len(re.findall(r"^resumed from .*step_000010 at step 10 ", log, re.M)) == 1  # the second
+    assert runs.losses("killed") == (10, runs.reference_losses[10:])
+    assert _final_loss(log) == f"{runs.reference_losses[-1]:.6f}"
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_saving_fails_its_peer_fast_and_the_previous_checkpoint_stays_newest(runs):
+    survivor, victim = runs.killed_save
+    assert victim.exitcode == -signal.SIGKILL
+    code, stderr = survivor.value
+    assert code == 1 and stderr.startswith(
+        "pipeclock train: error: rank 0: lost the connection to a peer while saving "
+    )
+    directory = runs.tmp / "killed_save"
+    assert (directory / "step_000010.partial").is_dir()
+    assert checkpoint.newest(directory) == directory / "step_000005"
+    loaded, _ = checkpoint.load_full_model(checkpoint.newest(directory))
+    uninterrupted, _ = checkpoint.load_full_model(runs.tmp / "reference" / "step_000005")
+    assert all(torch.equal(loaded[key], uninterrupted[key]) for key in uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_partial_directory_never_wins_even_with_every_file_in_it(runs, tmp_path):
+    shutil.copytree(runs.tmp / "reference" / "step_000010", tmp_path / "step_000010")
+    shutil.copytree(runs.tmp / "reference" / "step_000020", tmp_path / "step_000030.partial")
+    assert checkpoint.newest(tmp_path) == tmp_path / "step_000010"
+    assert checkpoint.resolve(tmp_path) == tmp_path / "step_000010"
+
+
+@pytest.mark.slow
+def test_a_fresh_run_or_another_model_cannot_reuse_a_runs_checkpoint_directory(runs):
+    for rank, outcome in enumerate(runs.reference):
+        refusals = outcome["refusals"]
+        assert (
+            refusals["fresh run"].startswith(f"rank {rank}: ")
+            and "already holds checkpoints" in refusals["fresh run"]
+        )
+        assert refusals["other model"].endswith("holds a ShardedMLP 8 x 32, not 8 x 16")
+
+
+@pytest.mark.slow
+def test_export_loads_into_the_one_process_model_and_computes_what_the_stages_chained_compute(runs):
+    last = runs.reference[-1]
+    assert last["export exit code"] == 0
+    assert last["export says"].startswith(f"exported {runs.tmp / 'reference' / 'step_000020'} (step 20, ")
+    assert torch.equal(torch.from_numpy(last["exported model"]), torch.from_numpy(last["stages chained"]))
+    exported = torch.load(runs.tmp / "reference.pt")
+    assert exported.keys() == ShardedMLP(MODEL["hidden"], MODEL["layers"]).state_dict().keys()
+
+
+def test_export_of_a_directory_without_a_checkpoint_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    (tmp_path / "step_000010.partial").mkdir()
+    assert cli.main(["export", str(tmp_path), str(tmp_path / "model.pt")]) == 2
+    error = capsys.readouterr().err
+    assert (
+        error
+        == f"pipeclock export: error: no checkpoint in {tmp_path}: no complete step_NNNNNN directory in it\n"
+    )
+    assert not (tmp_path / "model.pt").exists()
+
+
+# --- run as a module under torchrun: the train command with a rank that dies -----------------------------
+
+
+def _train_with_a_rank_that_dies(die_after: int, argv: list[str]) -> int:
+    import pipeclock.commands.train as command
+
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    victim = first_attempt and os.environ.get("LOCAL_RANK") == "1"
+    real_train = command.train
+
+    def train_that_dies(config, on_step=None):
+        def step(index: int, loss: float) -> None:
+            if on_step:
+                on_step(index, loss)
+            if victim and index == die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return real_train(config, on_step=step)
+
+    command.train = train_that_dies
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(_train_with_a_rank_that_dies(int(sys.argv[1]), sys.argv[2:]))
