@@ -7,11 +7,13 @@ above the *measured* one, drawn by the same code, so the gap between theory and 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
-from pipeclock.actions import Schedule
-from pipeclock.diagrams import draw_comparison_png
+from pipeclock.actions import Schedule, dependencies, num_chunks
+from pipeclock.diagrams import MAX_WIDTH, ascii_diagram, draw_comparison_png
 from pipeclock.generators import bubble_formula, bubble_formula_text
 from pipeclock.metrics import RunReport
 from pipeclock.simulate import simulate
@@ -65,6 +67,17 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
 _KNOWN = {"naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
 
 
+def side_by_side(names: Sequence[str], rows: dict[str, Sequence[str]]) -> list[str]:
+    """A text table with one column per run (``names``) and one line per ``rows`` item, label first."""
+    label_width = 2 + max(len(label) for label in rows)
+    width = 3 + max(len(text) for text in (*names, *(value for values in rows.values() for value in values)))
+    lines = [" " * label_width + "".join(f"{name:>{width}}" for name in names)]
+    lines += [
+        f"{label:{label_width}}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows.items()
+    ]
+    return lines
+
+
 def _mib(nbytes: int | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / MIB:.2f} MiB"
 
@@ -83,13 +96,103 @@ def write_trace(report: RunReport, path: str | Path) -> Path:
     return path
 
 
-def draw_timelines(report: RunReport, schedule: Schedule, path: str | Path, title: str) -> Path:
-    """Predicted (simulated with measured costs) above measured (the last step), both in milliseconds."""
-    predicted = _in_milliseconds(predicted_timeline(report, schedule))
-    measured = _in_milliseconds(report.timelines[-1])
-    return draw_comparison_png(
-        [(f"{title}, predicted (ms)", predicted), (f"{title}, measured last step (ms)", measured)], path
+def typical_step(report: RunReport) -> Timeline:
+    """The measured step of median length: what a step of this run usually looks like. The last step
+    may have been stretched by a hiccup of the machine (another process taking the core)."""
+    steps = sorted(report.measured, key=lambda timeline: timeline.makespan)
+    return steps[(len(steps) - 1) // 2]
+
+
+def draw_runs(
+    runs: Sequence[tuple[str, RunReport, Schedule]], path: str | Path, predicted: bool = True
+) -> Path:
+    """Several runs, e.g. two schedules, on one shared time axis in milliseconds, so a shorter step looks
+    shorter: for each ``(title, report, schedule)``, its predicted timeline (unless ``predicted`` is
+    False) above its `typical_step`."""
+    panels = []
+    for title, report, schedule in runs:
+        if predicted:
+            simulated = _in_milliseconds(predicted_timeline(report, schedule))
+            panels.append((f"{title}, predicted (ms)", simulated))
+        panels.append((f"{title}, measured median step (ms)", _in_milliseconds(typical_step(report))))
+    return draw_comparison_png(panels, path)
+
+
+def draw_activations_held(runs: Sequence[tuple[str, RunReport]], path: str | Path) -> Path:
+    """How many micro-batches' activations each rank holds during each run's `typical_step`.
+
+    One panel per ``(title, report)`` on a shared time axis (ms) and a shared scale, so the schedule
+    that needs more memory has the taller curve; each title gives the measured peak bytes per rank.
+    """
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 0.8 + 2.0 * len(runs)))
+    panels = figure.subplots(len(runs), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    highest = 0.0
+    for axes, (title, report) in zip(panels, runs, strict=True):
+        timeline = _in_milliseconds(typical_step(report))
+        for rank in range(timeline.num_ranks):
+            times, held = timeline.held_over_time(rank)
+            axes.step(times, held, where="post", label=f"rank {rank}")
+            highest = max(highest, *held)
+        peaks = " / ".join(_mib(report.peak_activation_bytes(rank)) for rank in range(timeline.num_ranks))
+        per_chunk = f", a chunk counts 1/{timeline.chunks}" if timeline.chunks > 1 else ""
+        axes.set_title(
+            f"{title}, measured median step{per_chunk}; peak activations {peaks} (rank 0 first)", loc="left"
+        )
+        axes.set_ylabel("micro-batches held")
+        axes.spines[["top", "right"]].set_visible(False)
+    panels[0].set_ylim(0, highest * 1.1 or 1.0)
+    panels[0].set_xlim(0, max(typical_step(report).makespan * 1e3 for _, report in runs))
+    panels[0].legend(loc="upper right", fontsize=8, frameon=False)
+    panels[-1].set_xlabel("time (ms)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def measured_ascii(report: RunReport, max_width: int = 150) -> str:
+    """The run's `typical_step` as an ASCII chart for the terminal.
+
+    A span's time blocked on a receive is drawn as idle (dots), because the rank did no work then: a
+    rank that waits for its input does not look busy. The chart is made just wide enough (up to
+    ``max_width``) for the shortest action to get a cell of its own and keep its label; in a narrower
+    chart short actions would overwrite each other.
+    """
+    step = typical_step(report)
+    working = Timeline(
+        [Span(s.rank, s.action, s.start + s.wait, s.end) for s in step.spans], step.num_ranks, step.chunks
     )
+    return ascii_diagram(working, min(max(_width_for_every_action(working), MAX_WIDTH), max_width))
+
+
+def _width_for_every_action(timeline: Timeline) -> int:
+    label = max(len(str(s.action)) for s in timeline.spans)
+    shortest = min((s.duration for s in timeline.spans if s.duration > 0), default=timeline.makespan)
+    cells = math.ceil(timeline.makespan / shortest) if shortest > 0 else 1
+    prefix = len(f"rank {timeline.num_ranks - 1} |")
+    return prefix + cells * (label + 1) + 1
+
+
+def messages_per_rank(schedule: Schedule) -> list[int]:
+    """Point-to-point messages each rank sends plus receives in one step, read off the action lists.
+
+    Every dependency of an action on another rank's action is one message (an activation forward or a
+    gradient back), which is exactly what the orchestrator sends. The shape headers, sent once per
+    stage and micro-batch size, are not counted.
+    """
+    num_ranks = len(schedule)
+    num_virtual = num_ranks * num_chunks(schedule)
+    counts = [0] * num_ranks
+    for rank, actions in enumerate(schedule):
+        for action in actions:
+            for source, _ in dependencies(action, rank, num_ranks, num_virtual):
+                if source != rank:
+                    counts[rank] += 1  # received here
+                    counts[source] += 1  # sent there
+    return counts
 
 
 def _in_milliseconds(timeline: Timeline) -> Timeline:

@@ -93,27 +93,32 @@ class Timeline:
         return (self.makespan - ideal) / ideal if ideal else 0.0
 
     def peak_live(self, rank: int) -> float:
-        """The most activations rank ``rank`` holds at once, in stages (each chunk counts 1/chunks).
+        """The most activations rank ``rank`` holds at once, in stages (each chunk counts 1/chunks)."""
+        return max(self.held_over_time(rank)[1])
 
-        A (micro-batch, chunk) pair is live from the start of its F to the end of its last backward op
-        (its B, or its W when the backward is split). A pair released at the instant another starts
-        is not counted twice: memory is freed before it is taken again.
+    def held_over_time(self, rank: int) -> tuple[list[float], list[float]]:
+        """When rank ``rank``'s count of held activations changes, and the count (in stages) from then.
+
+        A (micro-batch, chunk) pair is held from the moment its F starts computing (not while the F
+        waits for its input: nothing is stored then) to the end of its last backward op (its B, or its W
+        when the backward is split). A pair released at the instant another starts is not counted twice:
+        memory is freed before it is taken again.
         """
         born: dict[tuple[int, int], float] = {}
         freed: dict[tuple[int, int], float] = {}
         for s in self.spans_of(rank):
             key = (s.action.microbatch, s.action.chunk)
             if s.action.op == "F":
-                born[key] = min(born.get(key, s.start), s.start)
+                born[key] = s.start + s.wait
             else:
                 freed[key] = max(freed.get(key, s.end), s.end)
-        events = [(t, 1) for t in born.values()]
-        events += [(freed.get(key, float("inf")), -1) for key in born]
-        live = peak = 0
-        for _, change in sorted(events):
+        events = sorted([(t, 1) for t in born.values()] + [(freed.get(k, float("inf")), -1) for k in born])
+        times, held, live = [self.start], [0.0], 0
+        for time, change in events:
             live += change
-            peak = max(peak, live)
-        return peak / self.chunks
+            times.append(time)
+            held.append(live / self.chunks)
+        return times, held
 
     def to_chrome_trace(self, time_unit_us: float = 1.0) -> dict:
         """The timeline as Chrome trace / Perfetto JSON: one complete ("X") event per span, pid = rank.

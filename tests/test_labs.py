@@ -67,3 +67,108 @@ def test_lab3_ping_pong_runs_two_processes_and_the_tensor_comes_back_intact():
 def test_an_unknown_lab_is_a_clear_error():
     done = subprocess.run([sys.executable, "-m", "pipeclock", "lab", "99"], capture_output=True, text=True)
     assert done.returncode != 0 and "no lab 99" in done.stderr
+
+
+# --- labs 4-8: the schedules, measured. Small models keep each run short; the facts that do not depend
+# on timing (formulas, peak activation bytes, message counts, gradients) are checked exactly, the timed
+# ones only loosely, since other processes may share the cores.
+
+SMALL = ("--hidden", "512", "--layers", "8", "--batch-size", "128")
+
+
+def percents(text: str) -> list[float]:
+    return [float(value) / 100 for value in re.findall(r"([\d.]+)%", text)]
+
+
+def lesson_line(out: str, starts_with: str) -> str:
+    lesson = out[out.index("\nlesson:") :]
+    return next(line for line in lesson.splitlines() if line.strip().startswith(starts_with))
+
+
+@pytest.mark.slow
+def test_lab4_naive_keeps_each_rank_busy_about_one_pth_of_the_step(tmp_path):
+    out = run_lab_command(4, *SMALL, "--steps", "4", "--out", str(tmp_path))
+    assert out.startswith("$ torchrun --nproc-per-node 2 labs/04_naive.py")
+    busy = lesson_line(out, "busy share of the step")
+    rank0, rank1, one_over_p = percents(busy)
+    assert one_over_p == 0.5
+    assert 0.25 <= rank0 <= 0.75 and 0.25 <= rank1 <= 0.75, busy
+    assert "vs formula (p-1)/p = 50.0%" in lesson_line(out, "measured bubble")
+    assert re.search(r"^\s+1\s+[\d.]+%\s+\d+%\s+50.0%", out, re.MULTILINE), "CPU % printed beside 1/p"
+    assert (tmp_path / "04_naive.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_lab5_gpipe_bubble_falls_as_the_number_of_micro_batches_grows(tmp_path):
+    out = run_lab_command(5, *SMALL, "--microbatches", "1", "4", "--steps", "3", "--out", str(tmp_path))
+    measured = percents(lesson_line(out, "measured bubble"))
+    formula = percents(lesson_line(out, "formula (p-1)/(m+p-1)"))
+    assert formula == [0.5, 0.2]
+    assert measured[0] > measured[1], measured
+    assert measured[0] > 0.3, "with m = 1 at least one rank always waits"
+    assert (tmp_path / "05_gpipe.png").exists() and (tmp_path / "05_gpipe_m4.png").exists()
+
+
+@pytest.mark.slow
+def test_lab6_1f1b_holds_min_m_p_minus_r_micro_batches_where_gpipe_holds_m(tmp_path):
+    out = run_lab_command(6, *SMALL, "--microbatches", "8", "--steps", "2", "--out", str(tmp_path))
+    assert "(formula (p-1)/(m+p-1) = 11.1% for both)" in lesson_line(out, "measured bubble")
+    for rank, held in ((0, 2), (1, 1)):
+        line = lesson_line(out, f"peak activations rank {rank}")
+        gpipe, one_f_one_b, ratio = re.search(
+            r"GPipe ([\d.]+) MiB vs 1F1B ([\d.]+) MiB, ([\d.]+)x less", line
+        ).groups()
+        assert float(one_f_one_b) < float(gpipe)
+        assert float(ratio) == 8 / held and f"(m / min(m, p-r) = 8/{held})" in line
+    assert (tmp_path / "06_1f1b.png").exists() and (tmp_path / "06_1f1b_memory.png").exists()
+
+
+@pytest.mark.slow
+def test_lab7_interleaving_halves_the_formula_bubble_for_three_times_the_messages(tmp_path):
+    out = run_lab_command(7, *SMALL, "--microbatches", "4", "--steps", "2", "--out", str(tmp_path))
+    bubble = lesson_line(out, "measured bubble")
+    assert "formula (p-1)/(m+p-1) = 20.0% vs (p-1)/(v*m+p-1) = 11.1%" in bubble
+    messages = lesson_line(out, "messages per step per rank")
+    assert "1F1B 8, 8 vs interleaved 24, 24 (3.0x)" in messages
+    growth = re.search(r"MiB \(([\d.]+)x, ([\d.]+)x\)", lesson_line(out, "peak activations")).groups()
+    assert all(float(g) > 1 for g in growth), "interleaving holds a little more"
+    assert (tmp_path / "07_interleaved.png").exists()
+
+
+@pytest.mark.slow
+def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_bubble(tmp_path):
+    out = run_lab_command(8, *SMALL, "--microbatches", "4", "--steps", "2", "--out", str(tmp_path))
+    bubble = lesson_line(out, "measured bubble")
+    assert "formula (p-1)/(m+p-1) = 20.0% vs (p-1)/(3m+p-1) = 7.7%" in bubble
+    gradients = lesson_line(out, "gradients after one step")
+    difference, largest, loss_1f1b, loss_zb = re.search(
+        r"= (\S+) \(largest gradient (\S+)\); losses (\S+) and (\S+)", gradients
+    ).groups()
+    assert float(largest) > 0 and float(difference) <= 1e-6 * float(largest)
+    assert abs(float(loss_1f1b) - float(loss_zb)) <= 1e-6
+    rank1 = re.search(r"peak activations, rank 1\s+([\d.]+) MiB\s+([\d.]+) MiB", out).groups()
+    assert float(rank1[1]) == 2 * float(rank1[0]), "ZB-H1's last rank holds p micro-batches, 1F1B's one"
+    assert (tmp_path / "08_zero_bubble.png").exists()
+
+
+def test_nproc_after_the_lab_number_goes_to_torchrun_not_to_the_lab(monkeypatch):
+    from pipeclock.commands.lab import command, find_lab, take_nproc
+
+    monkeypatch.chdir(LABS.parent)
+    nproc, lab_args = take_nproc(["--steps", "3", "--nproc", "4", "--out", "x"])
+    assert (nproc, lab_args) == (4, ["--steps", "3", "--out", "x"])
+    _, shown = command(find_lab(4), lab_args, nproc)
+    assert shown == "torchrun --nproc-per-node 4 labs/04_naive.py --steps 3 --out x"
+    assert command(find_lab(4), [])[1] == "torchrun --nproc-per-node 2 labs/04_naive.py"
+
+
+def test_messages_per_rank_counts_each_activation_and_gradient_crossing_between_ranks():
+    from pipeclock.generators import generate
+    from pipeclock.report import messages_per_rank
+
+    m = 8
+    # one chunk: the end ranks talk to one neighbour, the middle ones to two; m each way per neighbour
+    assert messages_per_rank(generate("1f1b", 4, m)) == [2 * m, 4 * m, 4 * m, 2 * m]
+    assert messages_per_rank(generate("zb-h1", 4, m)) == [2 * m, 4 * m, 4 * m, 2 * m], "W sends nothing"
+    # two chunks on 2 ranks: virtual stages 0 1 2 3 alternate ranks, so all 3 boundaries cross
+    assert messages_per_rank(generate("interleaved-1f1b", 2, m, 2)) == [3 * 2 * m, 3 * 2 * m]

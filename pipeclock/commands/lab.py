@@ -1,7 +1,8 @@
 """``pipeclock lab N [args]``: run lab N from ``labs/``, under torchrun when it needs processes.
 
 A lab that needs processes says how many with a ``PROCESSES = n`` line; this command prints the
-torchrun command a learner would type, then runs it.
+torchrun command a learner would type, then runs it. ``--nproc N`` (before or after the lab's number)
+asks for another number of processes, e.g. to see a four-stage pipeline.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ LABS_DIR = Path(__file__).resolve().parents[2] / "labs"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("number", type=int, help="which lab (1, 2, ...)")
+    parser.add_argument(
+        "--nproc", type=int, metavar="N", help="processes for torchrun (default: the lab's PROCESSES)"
+    )
     parser.add_argument("lab_args", nargs=argparse.REMAINDER, help="arguments passed on to the lab")
 
 
@@ -35,10 +39,20 @@ def processes(lab: Path) -> int:
     return int(match.group(1)) if match else 1
 
 
-def command(lab: Path, lab_args: list[str]) -> tuple[list[str], str]:
+def take_nproc(lab_args: list[str]) -> tuple[int | None, list[str]]:
+    """``--nproc N`` written after the lab's number belongs to the launcher, not to the lab."""
+    launcher = argparse.ArgumentParser(prog="pipeclock lab", add_help=False, allow_abbrev=False)
+    launcher.add_argument("--nproc", type=int)
+    known, rest = launcher.parse_known_args(lab_args)
+    return known.nproc, rest
+
+
+def command(lab: Path, lab_args: list[str], nproc: int | None = None) -> tuple[list[str], str]:
     """The command to run, and how a learner would type it."""
     shown = os.path.relpath(lab)
-    nproc = processes(lab)
+    nproc = processes(lab) if nproc is None else nproc
+    if nproc < 1:
+        raise SystemExit(f"pipeclock lab: --nproc must be at least 1, got {nproc}")
     if nproc == 1:
         return [sys.executable, str(lab), *lab_args], shlex.join(["python", shown, *lab_args])
     launcher = ["--standalone", "--nproc-per-node", str(nproc)]
@@ -48,8 +62,10 @@ def command(lab: Path, lab_args: list[str]) -> tuple[list[str], str]:
 
 def run(args: argparse.Namespace) -> int:
     lab = find_lab(args.number)
-    cmd, shown = command(lab, args.lab_args)
+    nproc_after, lab_args = take_nproc(args.lab_args)
+    nproc = next((n for n in (nproc_after, args.nproc) if n is not None), processes(lab))
+    cmd, shown = command(lab, lab_args, nproc)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes(lab))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.call(cmd, env=env)

@@ -22,7 +22,7 @@ from pathlib import Path
 from pipeclock import comms
 from pipeclock.checkpoint import CheckpointError
 from pipeclock.generators import SCHEDULES
-from pipeclock.report import draw_timelines, summary_lines, write_trace
+from pipeclock.report import draw_runs, summary_lines, write_trace
 from pipeclock.train import Progress, TrainConfig, schedule_table, train
 
 
@@ -121,7 +121,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
         path = write_trace(result.report, args.trace)
         print(f"\ntrace written to {path} (open it in chrome://tracing or https://ui.perfetto.dev)")
     if args.png:
-        path = draw_timelines(result.report, table, args.png, config.schedule)
+        path = draw_runs([(config.schedule, result.report, table)], args.png)
         print(f"timelines drawn to {path}")
     print(f"final loss {result.final_loss:.6f} after {config.steps} steps", flush=True)
     return 0
