@@ -82,16 +82,18 @@ class Pipeline:
         )
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
-        self.actions = self._build_actions(schedule)
+        self.table = self._build_schedule(schedule)  # every rank's actions
+        self.actions = self.table[self.rank]
+        self.split = is_split(self.table)  # backward split into B and W
         self.num_virtual = self.num_stages * len(self.chunks)
         self.messenger = Messenger(self.rank, self.num_stages, self.num_virtual)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
-        self.parameter_outputs = ParameterOutputs(self.chunks) if self._split else None
+        self.parameter_outputs = ParameterOutputs(self.chunks) if self.split else None
         self.device = comms.device()
         self.last: StepRecord | None = None
 
-    def _build_actions(self, schedule: str | Generator) -> list[Action]:
-        """This rank's actions; every check here sees the same inputs on every rank, so all raise alike."""
+    def _build_schedule(self, schedule: str | Generator) -> list[list[Action]]:
+        """Every rank's actions; every check here sees the same inputs on every rank, so all raise alike."""
         m = self.num_microbatches
         if not isinstance(m, int) or not 1 <= m < MAX_MICROBATCHES:
             limit = MAX_MICROBATCHES - 1
@@ -105,8 +107,7 @@ class Pipeline:
             raise ValueError(f"rank {self.rank}: {error}") from None
         if not isinstance(schedule, str):
             simulate(table)  # a custom generator's schedule must be able to finish: DeadlockError if not
-        self._split = is_split(table)
-        return table[self.rank]
+        return table
 
     # --- one training step -----------------------------------------------------------------------------
 
@@ -250,7 +251,7 @@ class _StepRun:
         grad = (
             None if stage == pipe.num_virtual - 1 else pipe.messenger.receive_gradient(stage, mb, stash.root)
         )
-        if pipe._split:
+        if pipe.split:
             input_grad, stash.weight_work = backward_input(
                 stash.root, grad, stash.stage_input, stash.captured
             )
