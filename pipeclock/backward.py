@@ -1,15 +1,21 @@
-"""Backward, whole or split into B (input gradient) and W (weight gradient) for zero-bubble schedules.
+"""Backward in two halves: B (the input's gradient) and W (the weights' gradients).
 
-A stage's backward computes two things: the gradient of its input (the previous stage waits for it) and
-the gradients of its weights (nobody waits for them until the optimizer step). Zero-bubble schedules run
-the first as ``B`` right away and defer the second as ``W`` into what would otherwise be idle time.
+A stage's backward computes two things: the gradient of its input, which the previous stage waits for,
+and the gradients of its weights, which nobody needs before the optimizer step. Zero-bubble schedules
+run B at once and defer W into time that would otherwise be idle; the other schedules run W right after
+B. Either way the work is the same, done in two calls:
 
-How the split works for any module: during the forward, hooks capture the output of every module that
-holds parameters directly (each ``nn.Linear``, ``nn.LayerNorm`` ...). ``B`` asks autograd for the
-gradients of the stage input *and of those outputs*, keeping the graph; autograd then computes no weight
-gradient at all. ``W`` later takes each captured output with its gradient and back-propagates it only as
-far as that module's own parameters: one small product per layer, the same arithmetic a whole backward
-would have done.
+- During the forward, hooks capture the input and output of every module that holds parameters
+  directly (each ``nn.Linear``, ``nn.LayerNorm`` ...).
+- ``B`` asks autograd for the gradients of the stage input and of those outputs. Autograd then computes
+  no weight gradient at all.
+- ``W`` turns each captured output's gradient into its module's weight gradients. For ``nn.Linear``
+  that is one matrix product accumulated straight into ``.grad`` (``grad.addmm_(g.T, x)``): no temporary
+  gradient written and then added, which on a CPU saves a full pass over every weight matrix per
+  micro-batch. Other modules back-propagate through autograd, only as far as their own parameters.
+
+When every captured module is an ``nn.Linear``, W needs only each layer's input and output gradient, so
+B lets autograd free the graph; otherwise the graph is kept until W.
 """
 
 from __future__ import annotations
@@ -23,46 +29,49 @@ from torch import nn
 
 
 @dataclass
-class CapturedOutput:
+class Captured:
+    """A parameter-holding module's input and output in one forward."""
+
     module: nn.Module
+    input: torch.Tensor | None  # kept for nn.Linear, whose weight gradient is computed here
     output: torch.Tensor
     version: int  # autograd's version counter when captured: an in-place change afterwards is an error
 
 
-WeightWork = list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+@dataclass
+class WeightWork:
+    """What W needs for one module: its captured forward and the gradient of its output."""
 
-
-def backward_whole(
-    root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor
-) -> torch.Tensor | None:
-    """Backward through the stage, accumulating every ``.grad``; returns the input's gradient."""
-    torch.autograd.backward(root, grad)
-    return stage_input.grad if stage_input.requires_grad else None
+    captured: Captured
+    grad: torch.Tensor
 
 
 class ParameterOutputs:
     """Forward hooks on every module of ``modules`` that holds parameters directly."""
 
     def __init__(self, modules: Iterable[nn.Module]):
-        self._captured: list[CapturedOutput] | None = None
+        self._captured: list[Captured] | None = None
+        self.keeps_graph = False  # True when some module's W must go back through autograd
         for top in modules:
             for module in top.modules():
                 if any(p.requires_grad for p in module.parameters(recurse=False)):
                     module.register_forward_hook(self._hook)
+                    self.keeps_graph |= not isinstance(module, nn.Linear)
 
-    def _hook(self, module: nn.Module, args: object, output: object) -> None:
+    def _hook(self, module: nn.Module, args: tuple, output: object) -> None:
         if self._captured is None:
             return
         if not isinstance(output, torch.Tensor):
             raise TypeError(
-                f"split backward (zero-bubble) needs every module with parameters to return one tensor; "
+                f"the split backward needs every module with parameters to return one tensor; "
                 f"{type(module).__name__} returned {type(output).__name__}"
             )
-        self._captured.append(CapturedOutput(module, output, output._version))
+        linear_input = args[0].detach() if isinstance(module, nn.Linear) else None
+        self._captured.append(Captured(module, linear_input, output, output._version))
 
     @contextmanager
-    def capture(self) -> Iterator[list[CapturedOutput]]:
-        """Collect the outputs of the parameter-holding modules run inside the block."""
+    def capture(self) -> Iterator[list[Captured]]:
+        """Collect the inputs and outputs of the parameter-holding modules run inside the block."""
         self._captured = captured = []
         try:
             yield captured
@@ -70,29 +79,74 @@ class ParameterOutputs:
             self._captured = None
 
 
+def modified_in_place(captured: list[Captured]) -> Captured | None:
+    """The first captured output changed in place after its module ran (by ``ReLU(inplace=True)``, say).
+
+    Autograd can no longer give that output's own gradient, so its weights cannot be split off.
+    """
+    return next((item for item in captured if item.output._version != item.version), None)
+
+
+def backward_whole(
+    root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor
+) -> torch.Tensor | None:
+    """Plain autograd backward through the stage (every ``.grad`` accumulated); the input's gradient."""
+    torch.autograd.backward(root, grad)
+    return stage_input.grad if stage_input.requires_grad else None
+
+
 def backward_input(
-    root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor, captured: list[CapturedOutput]
-) -> tuple[torch.Tensor | None, WeightWork]:
-    """``B``: the stage input's gradient now, and what ``W`` needs to finish the weights later."""
-    for item in captured:
-        if item.output._version != item.version:
-            raise RuntimeError(
-                f"the output of {type(item.module).__name__} was modified in place after the forward; "
-                "split backward (zero-bubble) cannot recover its gradient (avoid inplace=True there)"
-            )
+    root: torch.Tensor,
+    grad: torch.Tensor | None,
+    stage_input: torch.Tensor,
+    captured: list[Captured],
+    keep_graph: bool,
+) -> tuple[torch.Tensor | None, list[WeightWork]]:
+    """``B``: the stage input's gradient, and the work ``W`` needs to finish the weights."""
+    changed = modified_in_place(captured)
+    if changed is not None:
+        raise RuntimeError(
+            f"the output of {type(changed.module).__name__} was modified in place after the forward; "
+            "a split backward (B, W) cannot recover its gradient (avoid inplace=True right after it)"
+        )
     wants_input = stage_input.requires_grad
     targets = ([stage_input] if wants_input else []) + [item.output for item in captured]
     if not targets:
         return None, []
-    grads = torch.autograd.grad(root, targets, grad, retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(root, targets, grad, retain_graph=keep_graph, allow_unused=True)
     input_grad = grads[0] if wants_input else None
-    outputs_grads = grads[1:] if wants_input else grads
-    work = [(c.module, c.output, g) for c, g in zip(captured, outputs_grads, strict=True) if g is not None]
+    output_grads = grads[1:] if wants_input else grads
+    work = [WeightWork(c, g) for c, g in zip(captured, output_grads, strict=True) if g is not None]
     return input_grad, work
 
 
-def backward_weight(work: WeightWork) -> None:
+def backward_weight(work: list[WeightWork]) -> None:
     """``W``: accumulate each captured module's parameter gradients from its output's gradient."""
-    for module, output, grad in work:
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        torch.autograd.backward(output, grad, inputs=params)
+    for item in work:
+        if item.captured.input is not None:
+            _linear_weight_grad(item.captured.module, item.captured.input, item.grad)
+        else:
+            params = [p for p in item.captured.module.parameters(recurse=False) if p.requires_grad]
+            torch.autograd.backward(item.captured.output, item.grad, inputs=params)
+
+
+def _linear_weight_grad(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """weight.grad += grad_out^T x and bias.grad += sum(grad_out), in place, over all leading dims."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    weight, bias = linear.weight, linear.bias
+    if weight.requires_grad:
+        if weight.grad is None:
+            weight.grad = g2.t().mm(x2)
+        else:
+            weight.grad.addmm_(g2.t(), x2)  # the product lands in .grad: no temporary to add
+    if bias is not None and bias.requires_grad:
+        summed = g2.sum(0)
+        if bias.grad is None:
+            bias.grad = summed
+        else:
+            bias.grad.add_(summed)
+
+
+def held_tensors(work: list[WeightWork]) -> list[torch.Tensor]:
+    """The tensors W keeps alive between B and W (what the activation meter counts then)."""
+    return [t for item in work for t in (item.captured.input, item.grad) if t is not None]

@@ -59,6 +59,14 @@ class ActivationMeter:
         self.live += self._bytes[key]
         self.peak = max(self.peak, self.live)
 
+    def update(self, key: object, tensors: list[torch.Tensor], add: bool) -> None:
+        """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
+        forward's tensors: a split backward's B frees the graph but keeps what W needs."""
+        held = self._distinct_bytes(tensors) + (self._bytes[key] if add else 0)
+        self.live += held - self._bytes[key]
+        self._bytes[key] = held
+        self.peak = max(self.peak, self.live)
+
     def release(self, key: object) -> None:
         """The micro-batch ``key`` has finished its backward: its bytes are freed."""
         self.live -= self._bytes.pop(key)

@@ -24,7 +24,14 @@ from torch import nn
 
 from pipeclock import comms
 from pipeclock.actions import Action, is_split, validate, virtual_stage
-from pipeclock.backward import ParameterOutputs, backward_input, backward_weight, backward_whole
+from pipeclock.backward import (
+    ParameterOutputs,
+    backward_input,
+    backward_weight,
+    backward_whole,
+    held_tensors,
+    modified_in_place,
+)
 from pipeclock.generators import Generator, generate
 from pipeclock.memory import ActivationMeter
 from pipeclock.messenger import MAX_MICROBATCHES, Messenger
@@ -54,7 +61,7 @@ class _Stash:
     """What a micro-batch's forward leaves for its backward on one chunk."""
 
     stage_input: torch.Tensor
-    root: torch.Tensor  # the chunk's output, or the weighted loss on the last stage
+    root: torch.Tensor | None  # the chunk's output, or the weighted loss on the last stage
     captured: list = field(default_factory=list)
     weight_work: list = field(default_factory=list)
 
@@ -88,7 +95,8 @@ class Pipeline:
         self.num_virtual = self.num_stages * len(self.chunks)
         self.messenger = Messenger(self.rank, self.num_stages, self.num_virtual)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
-        self.parameter_outputs = ParameterOutputs(self.chunks) if self.split else None
+        self.parameter_outputs = ParameterOutputs(self.chunks)
+        self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.last: StepRecord | None = None
 
@@ -232,8 +240,9 @@ class _StepRun:
         meter, captures = pipe.meter, pipe.parameter_outputs
         stashed = [stage_input]
         with meter.measuring((mb, action.chunk), stashed) if meter else nullcontext():
-            with captures.capture() if captures else nullcontext() as captured:
-                output = pipe.chunks[action.chunk](stage_input)
+            with captures.capture() as captured:
+                fed = stage_input.clone() if pipe.copies_input[action.chunk] else stage_input
+                output = pipe.chunks[action.chunk](fed)
             stashed.append(output)
         if stage == pipe.num_virtual - 1:
             root = pipe.loss_fn(output, self.targets[mb]) * self.weights[mb]
@@ -241,24 +250,30 @@ class _StepRun:
         else:
             root = output
             pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
-        self.stash[(mb, action.chunk)] = _Stash(stage_input, root, captured or [])
+        self.stash[(mb, action.chunk)] = _Stash(stage_input, root, captured)
         if meter:
             meter.hold((mb, action.chunk))
 
     def backward(self, action: Action) -> None:
         pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
-        stash = self.stash[(mb, action.chunk)]
+        key = (mb, action.chunk)
+        stash = self.stash[key]
         grad = (
             None if stage == pipe.num_virtual - 1 else pipe.messenger.receive_gradient(stage, mb, stash.root)
         )
-        if pipe.split:
-            input_grad, stash.weight_work = backward_input(
-                stash.root, grad, stash.stage_input, stash.captured
-            )
-            stash.captured = []
+        if not pipe.split and modified_in_place(stash.captured):
+            input_grad = backward_whole(stash.root, grad, stash.stage_input)  # plain autograd, same result
+            self._done(*key)
         else:
-            input_grad = backward_whole(stash.root, grad, stash.stage_input)
-            self._done(mb, action.chunk)
+            keep_graph = pipe.parameter_outputs.keeps_graph
+            input_grad, work = backward_input(stash.root, grad, stash.stage_input, stash.captured, keep_graph)
+            if pipe.split:  # W comes later: hold only what it needs
+                self.stash[key] = _Stash(stash.stage_input, stash.root if keep_graph else None, [], work)
+                if pipe.meter:
+                    pipe.meter.update(key, held_tensors(work), keep_graph)
+            else:
+                backward_weight(work)
+                self._done(*key)
         if stage > 0:
             pipe.messenger.send_gradient(stage, mb, input_grad)
 
@@ -279,6 +294,16 @@ def _as_chunks(stage_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Modu
     if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
         raise ValueError(f"rank {comms.get_rank()}: expected an nn.Module or a non-empty list of them")
     return chunks
+
+
+def _starts_in_place(module: nn.Module) -> bool:
+    """True for a Sequential whose first layer works in place (``ReLU(inplace=True)`` right after a cut).
+
+    The received activation is a leaf that autograd must not see modified, so such a chunk is fed a copy.
+    """
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return bool(getattr(module, "inplace", False))
 
 
 def _batch_size(tensor: torch.Tensor | None) -> int:

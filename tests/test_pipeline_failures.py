@@ -149,3 +149,19 @@ def test_a_stage_that_cannot_take_its_input_names_its_rank_and_action():
     )
     kind, message = outcomes[0].value
     assert kind == "PeerGoneError" and message.startswith("rank 0: lost the connection to rank 1")
+
+
+def _split_backward_with_inplace_relu(rank: int, world: int) -> tuple[str, str]:
+    stage = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    try:
+        schedule.Pipeline(stage, "zb-h1", 2).step(torch.randn(4, 4), torch.randn(4, 4))
+    except (StageError, comms.CommError) as error:
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+def test_a_split_backward_refuses_an_output_overwritten_in_place_and_says_why():
+    outcome = run_ranks(_split_backward_with_inplace_relu, 1, timeout=20, linger=False)[0]
+    kind, message = outcome.value
+    assert kind == "StageError"
+    assert message.startswith("rank 0: B0 (virtual stage 0) failed: the output of Linear was modified")

@@ -51,14 +51,35 @@ def two_rank_steps() -> list[dict]:
     return run_ok(_peaks_and_spans, 2)
 
 
-def test_measured_activation_memory_follows_the_simulated_live_micro_batches(two_rank_steps):
-    per_rank = two_rank_steps
-    for rank, results in enumerate(per_rank):
-        one_microbatch = results["naive"][0]  # naive holds exactly one micro-batch at a time
-        assert one_microbatch > 0
+def held_along(actions: list[str], forward_bytes: int, weight_bytes: int) -> int:
+    """The peak of what a rank holds, walking its actions: F takes a micro-batch's forward bytes; a
+    whole B frees them; a split B swaps them for what W needs (each layer's input and output gradient),
+    which W then frees."""
+    split = any(a.startswith("W") for a in actions)
+    live = peak = 0
+    for action in actions:
+        change = {
+            "F": forward_bytes,
+            "B": weight_bytes - forward_bytes if split else -forward_bytes,
+            "W": -weight_bytes,
+        }[action[0]]
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def test_measured_activation_memory_is_what_the_schedule_holds(two_rank_steps):
+    layers_per_rank, microbatch, hidden = 4, 4, 16  # ShardedMLP(16, 8) on 2 ranks, batch 16 in 4
+    weight_bytes = layers_per_rank * 2 * microbatch * hidden * 4  # x and dL/d(output) per Linear, fp32
+    for rank, results in enumerate(two_rank_steps):
+        forward_bytes = results["naive"][0]  # naive holds exactly one micro-batch at a time
+        assert forward_bytes > 0
         for name in ("gpipe", "1f1b", "zb-h1"):
+            measured, _, actions = results[name]
+            assert measured == held_along(actions, forward_bytes, weight_bytes), (name, rank)
+        for name in ("gpipe", "1f1b"):  # whole backward: the simulator's count of live micro-batches
             live = simulate(schedule.generate(name, 2, 4)).peak_live(rank)
-            assert results[name][0] == live * one_microbatch, (name, rank, results[name][0], live)
+            assert results[name][0] == live * forward_bytes
 
 
 def test_every_action_has_one_span_in_order_and_spans_do_not_overlap(two_rank_steps):
