@@ -5,14 +5,17 @@ is what the previous stage is waiting for. W, the gradients of the stage's own w
 until the optimizer step. 1F1B runs both at once, so in the cool-down the later ranks sit idle while
 the gradients travel back to rank 0. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
 runs B at once and keeps each W for later: rank r postpones r of them into the tail that was idle. With
-F = B = W the bubble drops from (p-1)/(m+p-1) to (p-1)/(3m+p-1), and no rank holds more activations
-than rank 0 already held in 1F1B.
+F = B = W the bubble drops from (p-1)/(m+p-1) to (p-1)/(3m+p-1), and no rank has more micro-batches in
+flight than rank 0 already had in 1F1B (p). Memory is still not free: a micro-batch waiting for its W
+keeps what W needs, each layer's input and the gradient of its output, which for an MLP is more than
+its forward left behind; the lab prints each rank's measured peak.
 
 The arithmetic is not changed, only reordered: after one step from the same weights on the same batch,
 every parameter's gradient is the one 1F1B computes, to float rounding. The lab checks that too.
 
-The split is not free: W runs one small backward per layer, and on a CPU B + W take longer than 1F1B's
-single B (the op times show it), so a smaller bubble does not always make a shorter step.
+The split costs little time: for a Linear layer, W is one matrix product accumulated into the weight's
+gradient, so B + W take about what 1F1B's single B takes (the op times show it). The smaller bubble
+becomes a shorter step when the bubble is a large part of the step: few micro-batches per stage.
 
 Run it:  torchrun --nproc-per-node 2 labs/08_zero_bubble.py        (or: python -m pipeclock lab 8)
 """

@@ -147,7 +147,7 @@ def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_b
     assert float(largest) > 0 and float(difference) <= 1e-6 * float(largest)
     assert abs(float(loss_1f1b) - float(loss_zb)) <= 1e-6
     rank1 = re.search(r"peak activations, rank 1\s+([\d.]+) MiB\s+([\d.]+) MiB", out).groups()
-    assert float(rank1[1]) == 2 * float(rank1[0]), "ZB-H1's last rank holds p micro-batches, 1F1B's one"
+    assert float(rank1[1]) > 2 * float(rank1[0]), "ZB-H1's last rank holds p micro-batches, each until W"
     assert (tmp_path / "08_zero_bubble.png").exists()
 
 
