@@ -1,0 +1,48 @@
+"""``pipeclock docs``: rebuild the course pages' figures and quoted outputs from real runs.
+
+python -m pipeclock docs            # every command the pages quote (labs included): a few minutes
+python -m pipeclock docs --quick    # only the simulator's commands and tables: seconds
+
+Every command quoted in ``docs/*.md`` is run again; its output replaces the quoted one (keeping the
+lines the page chose to show) and the figures it draws are copied into ``docs/figures/``. How a page
+quotes a command is described in ``pipeclock/docs_build.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from pipeclock.docs_build import DOCS, PageError, build
+from pipeclock.docs_tables import TableError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the commands that start no process (python -m pipeclock schedule)",
+    )
+    parser.add_argument("--docs", type=Path, default=DOCS, metavar="DIR", help=f"the pages (default {DOCS})")
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:
+        outcomes = build(args.docs, quick=args.quick)
+    except (PageError, TableError) as error:
+        print(f"pipeclock docs: error: {error}")
+        return 2
+    failed = [outcome for outcome in outcomes if outcome.problem is not None]
+    figures = sum(len(outcome.figures) for outcome in outcomes)
+    print(
+        f"\n{len(outcomes)} commands run, {figures} figures drawn into {args.docs / 'figures'} "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
+    if failed:
+        print(f"pipeclock docs: {len(failed)} quoted outputs no longer match (those blocks are unchanged):")
+        for outcome in failed:
+            print(f"  {outcome.block}")
+        return 1
+    return 0

@@ -1,0 +1,146 @@
+"""The course pages say what the code does today: every quoted command prints what its page shows.
+
+How a page quotes a command (the full text is in ``pipeclock/docs_build.py`` and docs/index.md):
+
+- a ```console block holds one command, on its first line after ``$ ``, run from the repository root in
+  the virtual environment; the other lines are its standard output;
+- the quote is the whole output, except where a line ``...`` marks lines left out;
+- lines match word for word, numbers included, unless a ``<!-- docs ... -->`` comment right above the
+  block says ``vary: REGEX`` (measured numbers may differ in those lines: decimals, thousands, percents,
+  not the value after ``= ``), ``any: REGEX`` (any line where REGEX finds the same text), or
+  ``long: REASON``: then this test skips the command with that reason, unless PIPECLOCK_DOCS_LONG=1.
+  ``make docs`` runs the long ones too, and fails if their quotes no longer match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeclock.docs_build import (
+    Mismatch,
+    Notes,
+    check,
+    matched_lines,
+    pages,
+    read_blocks,
+    run_command,
+)
+from pipeclock.docs_tables import refresh_generated
+
+RUN_LONG = os.environ.get("PIPECLOCK_DOCS_LONG") == "1"
+BLOCKS = [block for page in pages() for block in read_blocks(page)]
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)#]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_a_quoted_command_prints_what_its_page_shows(block):
+    if block.notes.long and not RUN_LONG:
+        pytest.skip(f"long: {block.notes.long} (PIPECLOCK_DOCS_LONG=1 runs it)")
+    assert block.output, f"{block}: quotes no output yet; `make docs` writes it in"
+    ran = run_command(block.command)
+    try:
+        check(block, ran)
+    except Mismatch as mismatch:
+        pytest.fail(f"{block}\n{mismatch}\n--- printed:\n{ran.stdout}{ran.stderr}")
+
+
+def test_every_page_quotes_commands_and_the_long_ones_say_why():
+    course = {page.name for page in pages()} - {"benchmarks.md", "index.md", "glossary.md"}
+    quoting = {block.page.name for block in BLOCKS}
+    assert course <= quoting, f"pages without a quoted command: {sorted(course - quoting)}"
+    assert all(block.notes.long.strip() for block in BLOCKS if block.notes.long is not None)
+
+
+def test_generated_tables_are_what_the_simulator_gives_today():
+    for page in pages():
+        text = page.read_text()
+        assert refresh_generated(text) == text, f"{page.name}: run `python -m pipeclock docs --quick`"
+
+
+def test_every_picture_and_link_on_the_pages_exists():
+    for page in pages():
+        text = page.read_text()
+        for target in IMAGE.findall(text) + LINK.findall(text):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} points to {target}, which is missing"
+
+
+def test_every_figure_a_page_shows_is_drawn_by_a_quoted_command():
+    drawn = {name for block in BLOCKS for _, name in block.notes.figures}
+    shown = {Path(target).name for page in pages() for target in IMAGE.findall(page.read_text())}
+    others = {name for name in shown if name.startswith("bench_")}  # drawn by the benchmarks
+    assert shown - others <= drawn, f"figures no command draws: {sorted(shown - others - drawn)}"
+
+
+def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(tmp_path):
+    for page in pages():
+        shutil.copy(page, tmp_path / page.name)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeclock", "docs", "--quick", "--docs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    simulated = {name for block in BLOCKS if block.simulator_only for _, name in block.notes.figures}
+    assert "schedule_1f1b_p4_m8.png" in simulated and "schedule_compare_p4_m8.png" in simulated
+    for name in simulated:
+        assert (tmp_path / "figures" / name).read_bytes()[:4] == b"\x89PNG", name
+    for page in pages():
+        assert (tmp_path / page.name).read_text() == page.read_text(), f"{page.name} was out of date"
+
+
+# --- the convention itself ------------------------------------------------------------------------
+
+
+PRINTED = ["model: 16 layers", "parameters: 1,052,672", "", "step time 6.20 ms, 10,324 samples/s", "done"]
+
+
+def test_a_quote_is_the_whole_output_unless_dots_mark_what_was_left_out():
+    assert matched_lines(PRINTED, PRINTED, Notes()) == PRINTED
+    with pytest.raises(Mismatch):
+        matched_lines(["parameters: 1,052,672", "..."], PRINTED, Notes())  # the first line was left out
+    assert matched_lines(["...", "parameters: 1,052,672", "..."], PRINTED, Notes())[1] == PRINTED[1]
+    with pytest.raises(Mismatch):
+        matched_lines(["model: 16 layers", "done"], PRINTED, Notes())  # lines between, no dots
+
+
+def test_numbers_must_be_exact_except_measured_ones_in_lines_that_vary():
+    timed = ["...", "step time 9.99 ms, 7,000 samples/s", "..."]
+    with pytest.raises(Mismatch):
+        matched_lines(timed, PRINTED, Notes())
+    notes = Notes(vary=[re.compile("step time")])
+    assert matched_lines(timed, PRINTED, notes)[1] == PRINTED[3], "the printed line replaces the quote"
+    with pytest.raises(Mismatch):
+        matched_lines(["...", "parameters: 1,052,673", "..."], PRINTED, notes)
+
+
+def test_in_a_varying_line_counts_and_formula_values_stay_exact():
+    notes = Notes(vary=[re.compile("bubble")])
+    printed = ["  4  64 samples  249.2 ms  21.3%  bubble; formula (p-1)/(m+p-1) = 20.0%"]
+    assert matched_lines(
+        ["  4  64 samples  301.0 ms  19.0%  bubble; formula (p-1)/(m+p-1) = 20.0%"], printed, notes
+    )
+    for wrong in (
+        "  8  64 samples  301.0 ms  19.0%  bubble; formula (p-1)/(m+p-1) = 20.0%",  # another m
+        "  4  32 samples  301.0 ms  19.0%  bubble; formula (p-1)/(m+p-1) = 20.0%",  # another size
+        "  4  64 samples  301.0 ms  19.0%  bubble; formula (p-1)/(m+p-1) = 33.3%",  # another formula value
+    ):
+        with pytest.raises(Mismatch):
+            matched_lines([wrong], printed, notes)
+
+
+def test_an_any_line_matches_a_line_with_the_same_label():
+    notes = Notes(any=[re.compile(r"^rank \d \|")])
+    printed = ["rank 0 |F0 ....B0 |", "rank 1 |..F0 B0 ..|"]
+    assert matched_lines(["rank 0 |F0 B0 |", "rank 1 |F0 B0|"], printed, notes) == printed
+    with pytest.raises(Mismatch):
+        matched_lines(["rank 1 |F0 B0 |", "rank 0 |F0 B0|"], printed, notes)
