@@ -75,7 +75,9 @@ def machine(results: Results, command: str, seconds: list[float]) -> list[str]:
     return [
         f"- machine: {_cpu_name()}, {results.num_cores} cores, {memory:.0f} GiB, no GPU",
         f"- software: Python {platform.python_version()}, torch {torch.__version__}, gloo over loopback TCP",
-        f"- intra-op threads per rank: {threads} (checked on every launch)",
+        f"- intra-op threads per rank: {threads} (checked on every launch)"
+        if threads
+        else "- intra-op threads per rank: cores / local ranks, set by `comms.init` (unrecorded)",
         f"- command: `{command}`; runs: {len(results.runs)} (took {took})",
         "- cells read `median [lowest–highest]` over the runs when there is more than one run",
     ]
