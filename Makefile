@@ -29,6 +29,7 @@ format: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python -m pipeclock docs
+	$(BIN)/python -m benchmarks.figures
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

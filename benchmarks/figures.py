@@ -2,10 +2,16 @@
 
 Solid lines are pipeclock, dashed lines torch on the same schedule (same colour), the dotted black line
 the ideal step T1 / p * (m + p - 1) / m. Points are medians over the runs.
+
+``python -m benchmarks.figures [RESULTS.json ...]`` redraws them from saved results without measuring
+anything (``make docs`` does, so the course's figures all come from one command).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -14,8 +20,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib import ticker
 
+from benchmarks.launch import ROOT
 from benchmarks.plan import SCHEDULES
-from benchmarks.results_model import Results, Spread
+from benchmarks.results_model import Results, Run, Spread
 
 COLOURS = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved-1f1b": "tab:green", "zb-h1": "tab:red"}
 ENGINES = (("pipeclock", "pipeclock_s", "-", "o"), ("torch", "torch_s", "--", "s"))
@@ -148,3 +155,25 @@ def draw_all(results: Results, directory: Path) -> list[Path]:
         step_vs_p(results, directory / "bench_step_vs_p.png", m=8 if 8 in ms else max(ms)),
         efficiency_vs_m(results, directory / "bench_efficiency_vs_m.png"),
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.figures", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "results",
+        type=Path,
+        nargs="*",
+        default=[ROOT / "benchmarks" / "results" / "full.json"],
+        help="results JSON files, their runs pooled (default: the full sweep's)",
+    )
+    parser.add_argument("--figures-dir", type=Path, default=ROOT / "docs" / "figures")
+    args = parser.parse_args(argv)
+    saved = [json.loads(path.read_text()) for path in args.results]
+    results = Results([Run(records) for data in saved for records in data["runs"]])
+    for path in draw_all(results, args.figures_dir):
+        print(f"drew {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
