@@ -75,15 +75,7 @@ def teach(report: RunReport, config: TrainConfig, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world = comms.init()
-    config = TrainConfig(
-        schedule="naive",
-        microbatches=1,
-        hidden=args.hidden,
-        layers=args.layers,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        seed=args.seed,
-    )
+    config = TrainConfig.from_args(args, schedule="naive", microbatches=1)
     if rank == 0:
         print(
             f"naive schedule on {world} stages: the whole batch of {args.batch_size} as one micro-batch, "

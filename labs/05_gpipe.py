@@ -48,15 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_for(m: int, args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        schedule="gpipe",
-        microbatches=m,
-        hidden=args.hidden,
-        layers=args.layers,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        seed=args.seed,
-    )
+    return TrainConfig.from_args(args, schedule="gpipe", microbatches=m)
 
 
 def table_row(m: int, report: RunReport, batch_size: int) -> str:

@@ -47,15 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_for(schedule: str, args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        schedule=schedule,
-        microbatches=args.microbatches,
-        hidden=args.hidden,
-        layers=args.layers,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        seed=args.seed,
-    )
+    return TrainConfig.from_args(args, schedule=schedule)
 
 
 def held_in_1f1b(m: int, p: int, rank: int) -> int:

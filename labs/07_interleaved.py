@@ -53,19 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configs(args: argparse.Namespace) -> dict[str, TrainConfig]:
     """The two runs, by the name the lab prints."""
-    common = dict(
-        microbatches=args.microbatches,
-        hidden=args.hidden,
-        layers=args.layers,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        seed=args.seed,
-    )
     return {
-        "1F1B": TrainConfig(schedule="1f1b", chunks=1, **common),
-        f"interleaved v={args.chunks}": TrainConfig(
-            schedule="interleaved-1f1b", chunks=args.chunks, **common
-        ),
+        "1F1B": TrainConfig.from_args(args, schedule="1f1b", chunks=1),
+        f"interleaved v={args.chunks}": TrainConfig.from_args(args, schedule="interleaved-1f1b"),
     }
 
 

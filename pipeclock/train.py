@@ -13,8 +13,9 @@ the data the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,15 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
+        """The config a command line asks for: every field ``args`` carries, then ``overrides``.
+
+        A lab's parser has only some of the flags; the fields it lacks keep their defaults.
+        """
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
 
     def chunks_per_rank(self) -> int:
         if self.chunks is not None:

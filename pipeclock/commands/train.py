@@ -67,27 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def config_from(args: argparse.Namespace) -> TrainConfig:
-    fields = (
-        "schedule",
-        "microbatches",
-        "chunks",
-        "hidden",
-        "layers",
-        "batch_size",
-        "steps",
-        "lr",
-        "seed",
-        "timeout",
-        "checkpoint_dir",
-        "checkpoint_every",
-        "resume",
-    )
-    return TrainConfig(**{name: getattr(args, name) for name in fields})
-
-
 def run(args: argparse.Namespace) -> int:
-    config = config_from(args)
+    config = TrainConfig.from_args(args)
     try:
         return _train_and_report(config, args)
     except (ValueError, comms.CommError, CheckpointError) as error:
