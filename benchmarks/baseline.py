@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from benchmarks import load
 from pipeclock import comms
-from pipeclock.data import SyntheticRegression
-from pipeclock.microbatch import loss_weights, split_microbatches
+from pipeclock.app.data import SyntheticRegression
+from pipeclock.engine.microbatch import loss_weights, split_microbatches
 from pipeclock.model import ShardedMLP
 
 

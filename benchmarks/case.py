@@ -13,7 +13,7 @@ import torch
 from benchmarks import engines, summary
 from benchmarks.plan import Case
 from pipeclock import comms
-from pipeclock.data import SyntheticRegression
+from pipeclock.app.data import SyntheticRegression
 
 LOSS_TOLERANCE = 1e-5  # relative
 GRAD_TOLERANCE = 1e-4  # largest gradient difference, relative to the largest gradient on the rank

@@ -27,7 +27,7 @@ from benchmarks.plan import Case
 from benchmarks.probe import StageProbe, WaitClock
 from pipeclock import comms, schedule
 from pipeclock.model import ShardedMLP
-from pipeclock.timeline import Span
+from pipeclock.observe.timeline import Span
 
 
 @dataclass

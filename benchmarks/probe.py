@@ -23,9 +23,9 @@ from contextlib import nullcontext
 
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from pipeclock.actions import Action
-from pipeclock.memory import ActivationMeter
-from pipeclock.timeline import Span
+from pipeclock.engine.actions import Action
+from pipeclock.engine.memory import ActivationMeter
+from pipeclock.observe.timeline import Span
 
 
 class StageProbe:

@@ -15,7 +15,7 @@ import torch
 from benchmarks.plan import SCHEDULES, TORCH_SCHEDULES
 from benchmarks.results_model import Key, Results, Spread
 from pipeclock import schedule as schedules
-from pipeclock.simulate import simulate
+from pipeclock.observe.simulate import simulate
 
 MIB = 1024 * 1024
 

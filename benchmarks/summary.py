@@ -16,8 +16,8 @@ import statistics
 from benchmarks import load
 from benchmarks.engines import StepSample
 from benchmarks.plan import Case
-from pipeclock.generators import bubble_formula
-from pipeclock.timeline import Timeline
+from pipeclock.engine.generators import bubble_formula
+from pipeclock.observe.timeline import Timeline
 
 Samples = dict[str, list[StepSample]]  # engine name -> one rank's samples, the checked step first
 

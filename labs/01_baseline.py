@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeclock.data import SyntheticRegression
+from pipeclock.app.data import SyntheticRegression
 from pipeclock.model import full_mlp, parameter_bytes
 
 

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pipeclock.data import SyntheticRegression
+from pipeclock.app.data import SyntheticRegression
 from pipeclock.model import full_mlp, split_sequential
 
 GB = 1e9

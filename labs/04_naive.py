@@ -23,10 +23,10 @@ import argparse
 from pathlib import Path
 
 from pipeclock import comms
-from pipeclock.generators import bubble_formula, bubble_formula_text
-from pipeclock.metrics import RunReport
-from pipeclock.report import draw_runs, measured_ascii
-from pipeclock.train import TrainConfig, schedule_table, train
+from pipeclock.app.train import TrainConfig, schedule_table, train
+from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.observe.metrics import RunReport
+from pipeclock.observe.report import draw_runs, measured_ascii
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 4` asks torchrun for
 

@@ -23,16 +23,16 @@ import argparse
 from pathlib import Path
 
 from pipeclock import comms
-from pipeclock.generators import bubble_formula, bubble_formula_text
-from pipeclock.metrics import RunReport
-from pipeclock.report import (
+from pipeclock.app.train import TrainConfig, schedule_table, train
+from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.observe.metrics import RunReport
+from pipeclock.observe.report import (
     draw_activations_held,
     draw_runs,
     measured_ascii,
     messages_per_rank,
     side_by_side,
 )
-from pipeclock.train import TrainConfig, schedule_table, train
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 7` asks torchrun for
 MIB = 2**20

@@ -1,3 +1,3 @@
-from pipeclock.cli import main
+from pipeclock.app.cli import main
 
 raise SystemExit(main())

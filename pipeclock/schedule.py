@@ -10,8 +10,8 @@ The pieces live in their own modules (``actions``, ``generators``, ``microbatch`
 this module gathers the names a user needs.
 """
 
-from pipeclock.actions import Action, parse_schedule, validate
-from pipeclock.generators import (
+from pipeclock.engine.actions import Action, parse_schedule, validate
+from pipeclock.engine.generators import (
     SCHEDULES,
     bubble_formula,
     bubble_formula_text,
@@ -23,8 +23,8 @@ from pipeclock.generators import (
     one_f_one_b,
     zero_bubble_h1,
 )
-from pipeclock.microbatch import microbatch_sizes, split_microbatches
-from pipeclock.orchestrator import Pipeline, StepRecord
+from pipeclock.engine.microbatch import microbatch_sizes, split_microbatches
+from pipeclock.engine.orchestrator import Pipeline, StepRecord
 
 __all__ = [
     "SCHEDULES",

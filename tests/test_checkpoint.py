@@ -29,9 +29,10 @@ import psutil
 import pytest
 import torch
 
-from pipeclock import checkpoint, cli, comms
+from pipeclock import comms
+from pipeclock.app import checkpoint, cli
+from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP
-from pipeclock.train import TrainConfig, train
 from tests.distributed import run_ok, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,7 +341,7 @@ def test_export_of_a_directory_without_a_checkpoint_is_one_clear_error(tmp_path,
 
 
 def _train_with_a_rank_that_dies(die_after: int, argv: list[str]) -> int:
-    import pipeclock.commands.train as command
+    import pipeclock.app.commands.train as command
 
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     victim = first_attempt and os.environ.get("LOCAL_RANK") == "1"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeclock.actions import Action
-from pipeclock.diagrams import ascii_diagram, draw_comparison_png, draw_png
-from pipeclock.generators import gpipe, interleaved_1f1b, naive, one_f_one_b, zero_bubble_h1
-from pipeclock.simulate import simulate
-from pipeclock.timeline import Span, Timeline
+from pipeclock.engine.actions import Action
+from pipeclock.engine.generators import gpipe, interleaved_1f1b, naive, one_f_one_b, zero_bubble_h1
+from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
+from pipeclock.observe.simulate import simulate
+from pipeclock.observe.timeline import Span, Timeline
 
 
 def test_gpipe_p2_m2_in_ascii_shows_the_fill_the_drain_and_the_bubbles():

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeclock.actions import is_split, parse_schedule, validate
-from pipeclock.generators import (
+from pipeclock.engine.actions import is_split, parse_schedule, validate
+from pipeclock.engine.generators import (
     SCHEDULES,
     bubble_formula,
     bubble_formula_text,
@@ -22,7 +22,7 @@ from pipeclock.generators import (
     supports_chunks,
     zero_bubble_h1,
 )
-from pipeclock.simulate import simulate
+from pipeclock.observe.simulate import simulate
 
 stages = st.integers(1, 8)
 microbatches = st.integers(1, 16)

@@ -152,7 +152,7 @@ def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_b
 
 
 def test_nproc_after_the_lab_number_goes_to_torchrun_not_to_the_lab(monkeypatch):
-    from pipeclock.commands.lab import command, find_lab, take_nproc
+    from pipeclock.app.commands.lab import command, find_lab, take_nproc
 
     monkeypatch.chdir(LABS.parent)
     nproc, lab_args = take_nproc(["--steps", "3", "--nproc", "4", "--out", "x"])
@@ -163,8 +163,8 @@ def test_nproc_after_the_lab_number_goes_to_torchrun_not_to_the_lab(monkeypatch)
 
 
 def test_messages_per_rank_counts_each_activation_and_gradient_crossing_between_ranks():
-    from pipeclock.generators import generate
-    from pipeclock.report import messages_per_rank
+    from pipeclock.engine.generators import generate
+    from pipeclock.observe.report import messages_per_rank
 
     m = 8
     # one chunk: the end ranks talk to one neighbour, the middle ones to two; m each way per neighbour

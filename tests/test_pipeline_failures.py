@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from pipeclock import comms, schedule
-from pipeclock.actions import parse_schedule
+from pipeclock.engine.actions import parse_schedule
+from pipeclock.engine.orchestrator import StageError
 from pipeclock.model import ShardedMLP
-from pipeclock.orchestrator import StageError
-from pipeclock.simulate import DeadlockError
+from pipeclock.observe.simulate import DeadlockError
 from tests.distributed import run_ranks
 
 

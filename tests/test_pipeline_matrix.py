@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import schedule
+from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP, split_sequential
-from pipeclock.train import TrainConfig, train
 from tests.distributed import run_ok
 
 TOLERANCE = 1e-5
@@ -141,7 +141,7 @@ def twenty_steps(rank: int, p: int) -> dict[str, list[float]]:
 
 
 def one_process_losses(steps: int = 20) -> list[float]:
-    from pipeclock.data import SyntheticRegression
+    from pipeclock.app.data import SyntheticRegression
 
     model, data = ShardedMLP(32, 16), SyntheticRegression(32)
     optimizer = torch.optim.Adam(model.parameters(), lr=TrainConfig().lr)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pipeclock import schedule
-from pipeclock.metrics import ProcessMeter, gather_run
-from pipeclock.microbatch import loss_weights, microbatch_sizes, split_microbatches
+from pipeclock.engine.microbatch import loss_weights, microbatch_sizes, split_microbatches
 from pipeclock.model import ShardedMLP
-from pipeclock.simulate import simulate
+from pipeclock.observe.metrics import ProcessMeter, gather_run
+from pipeclock.observe.simulate import simulate
 from tests.distributed import run_ok
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from pipeclock.cli import main
-from pipeclock.diagrams import ascii_diagram
-from pipeclock.generators import SCHEDULES, one_f_one_b
-from pipeclock.simulate import simulate
+from pipeclock.app.cli import main
+from pipeclock.engine.generators import SCHEDULES, one_f_one_b
+from pipeclock.observe.diagrams import ascii_diagram
+from pipeclock.observe.simulate import simulate
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeclock.actions import Action, parse_schedule
-from pipeclock.generators import gpipe, naive, one_f_one_b, zero_bubble_h1
-from pipeclock.simulate import DeadlockError, simulate
-from pipeclock.timeline import Span, Timeline
+from pipeclock.engine.actions import Action, parse_schedule
+from pipeclock.engine.generators import gpipe, naive, one_f_one_b, zero_bubble_h1
+from pipeclock.observe.simulate import DeadlockError, simulate
+from pipeclock.observe.timeline import Span, Timeline
 
 
 def times(timeline: Timeline, rank: int) -> list[tuple[str, float, float]]:

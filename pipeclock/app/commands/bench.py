@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 def _benchmarks_run():

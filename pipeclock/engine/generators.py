@@ -1,7 +1,7 @@
 """Schedule generators: pure functions from (stages, micro-batches[, chunks]) to per-rank action lists.
 
 A generator decides only the *order* in which each rank performs its compute actions. When an action can
-actually run follows from that order and from the data-flow rules in `pipeclock.actions`, so the
+actually run follows from that order and from the data-flow rules in `pipeclock.engine.actions`, so the
 simulator, the diagrams and a real run all derive their timing from the same lists.
 
 Every generator keeps each channel first-in first-out: on every rank and chunk, the F's appear in
@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from pipeclock.actions import Action, Schedule
+from pipeclock.engine.actions import Action, Schedule
 
 
 def naive(p: int, m: int) -> Schedule:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-LABS_DIR = Path(__file__).resolve().parents[2] / "labs"
+LABS_DIR = Path(__file__).resolve().parents[3] / "labs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

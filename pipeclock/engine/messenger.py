@@ -1,6 +1,6 @@
 """Communication derived from the actions: what a rank sends and receives, and to and from whom.
 
-Nobody writes messages per schedule. The data flow of ``pipeclock.actions`` fixes them:
+Nobody writes messages per schedule. The data flow of ``pipeclock.engine.actions`` fixes them:
 
 - after ``F`` of virtual stage s, its output goes to the owner of stage s + 1;
 - after ``B`` of stage s, the gradient of its input goes to the owner of stage s - 1;
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeclock import comms
-from pipeclock.actions import owner
+from pipeclock.engine.actions import owner
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 _KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "shape header"}

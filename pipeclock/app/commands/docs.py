@@ -5,7 +5,7 @@ python -m pipeclock docs --quick    # only the simulator's commands and tables: 
 
 Every command quoted in ``docs/*.md`` is run again; its output replaces the quoted one (keeping the
 lines the page chose to show) and the figures it draws are copied into ``docs/figures/``. How a page
-quotes a command is described in ``pipeclock/docs_build.py``.
+quotes a command is described in ``pipeclock/app/docs_build.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 import time
 from pathlib import Path
 
-from pipeclock.docs_build import DOCS, PageError, build
-from pipeclock.docs_tables import TableError
+from pipeclock.app.docs_build import DOCS, PageError, build
+from pipeclock.app.docs_tables import TableError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

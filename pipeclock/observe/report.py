@@ -12,12 +12,12 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeclock.actions import Schedule, dependencies, num_chunks
-from pipeclock.diagrams import MAX_WIDTH, ascii_diagram, draw_comparison_png
-from pipeclock.generators import bubble_formula, bubble_formula_text
-from pipeclock.metrics import RunReport
-from pipeclock.simulate import simulate
-from pipeclock.timeline import Span, Timeline
+from pipeclock.engine.actions import Schedule, dependencies, num_chunks
+from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.observe.diagrams import MAX_WIDTH, ascii_diagram, draw_comparison_png
+from pipeclock.observe.metrics import RunReport
+from pipeclock.observe.simulate import simulate
+from pipeclock.observe.timeline import Span, Timeline
 
 MIB = 2**20
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from fractions import Fraction
 from pathlib import Path
 
-from pipeclock.timeline import Span, Timeline
+from pipeclock.observe.timeline import Span, Timeline
 
 IDLE = "."
 MAX_WIDTH = 120

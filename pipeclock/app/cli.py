@@ -1,6 +1,6 @@
 """The command line: ``python -m pipeclock <command> ...`` (and ``torchrun ... -m pipeclock train ...``).
 
-Each command lives in ``pipeclock/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``;
+Each command lives in ``pipeclock/app/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``;
 it is imported only when chosen, so ``pipeclock schedule`` starts without touching torch.distributed.
 """
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command_module(name: str):
-    return importlib.import_module(f"pipeclock.commands.{name}")
+    return importlib.import_module(f"pipeclock.app.commands.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:

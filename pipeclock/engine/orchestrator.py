@@ -3,8 +3,8 @@
 ``Pipeline.step`` cuts the batch into micro-batches, then walks this rank's actions in order. Each
 action is one "tick": ``F`` runs a micro-batch forward through one local chunk, ``B`` runs it backward
 (or only its input-gradient half), ``W`` finishes the weight gradients. What to receive before a tick and
-what to send after it follows from the action alone (``pipeclock.messenger``); the loop never asks which
-schedule it is running.
+what to send after it follows from the action alone (``pipeclock.engine.messenger``); the loop never
+asks which schedule it is running.
 
 The math is the one-device math: each micro-batch's mean loss is weighted by its share of the batch, so
 after a step every ``.grad`` holds what the whole model on one process computes for the whole batch.
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import comms
-from pipeclock.actions import Action, is_split, validate, virtual_stage
-from pipeclock.backward import (
+from pipeclock.engine.actions import Action, is_split, validate, virtual_stage
+from pipeclock.engine.backward import (
     ParameterOutputs,
     backward_input,
     backward_weight,
@@ -32,12 +32,12 @@ from pipeclock.backward import (
     held_tensors,
     modified_in_place,
 )
-from pipeclock.generators import Generator, generate
-from pipeclock.memory import ActivationMeter
-from pipeclock.messenger import MAX_MICROBATCHES, Messenger
-from pipeclock.microbatch import loss_weights, microbatch_sizes
-from pipeclock.simulate import simulate
-from pipeclock.timeline import Span
+from pipeclock.engine.generators import Generator, generate
+from pipeclock.engine.memory import ActivationMeter
+from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
+from pipeclock.engine.microbatch import loss_weights, microbatch_sizes
+from pipeclock.observe.simulate import simulate
+from pipeclock.observe.timeline import Span
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

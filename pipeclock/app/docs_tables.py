@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from pipeclock.generators import SCHEDULES, bubble_formula, bubble_formula_text, generate, get_schedule
-from pipeclock.generators import supports_chunks as _interleaves
-from pipeclock.report import messages_per_rank
-from pipeclock.simulate import default_costs, simulate
+from pipeclock.engine.generators import SCHEDULES, bubble_formula, bubble_formula_text, generate, get_schedule
+from pipeclock.engine.generators import supports_chunks as _interleaves
+from pipeclock.observe.report import messages_per_rank
+from pipeclock.observe.simulate import default_costs, simulate
 
 _GENERATED = re.compile(r"^<!-- generated: (\S+)((?: \w+=\w+)*) -->$")
 _GENERATED_END = "<!-- end generated -->"

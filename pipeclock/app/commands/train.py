@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 from pipeclock import comms
-from pipeclock.checkpoint import CheckpointError
-from pipeclock.generators import SCHEDULES
-from pipeclock.report import draw_runs, summary_lines, write_trace
-from pipeclock.train import Progress, TrainConfig, schedule_table, train
+from pipeclock.app.checkpoint import CheckpointError
+from pipeclock.app.train import Progress, TrainConfig, schedule_table, train
+from pipeclock.engine.generators import SCHEDULES
+from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The clock-cycle simulator: run any schedule on paper and get the timeline it would produce.
 
 Each rank works through its list in order and starts each action as soon as the rank is free and the
-action's inputs exist (the rules of `pipeclock.actions.dependencies`), an input from another rank
+action's inputs exist (the rules of `pipeclock.engine.actions.dependencies`), an input from another rank
 arriving ``comm_latency`` after it was produced. Nothing else is modelled: no bandwidth, no memory
 limit, no overlap of a rank with itself. That is enough to predict a schedule's bubble and activation
 memory, and to prove it cannot hang.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipeclock.actions import Action, Schedule, dependencies, is_split, num_chunks, validate
-from pipeclock.timeline import Span, Timeline
+from pipeclock.engine.actions import Action, Schedule, dependencies, is_split, num_chunks, validate
+from pipeclock.observe.timeline import Span, Timeline
 
 UNSPLIT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 0.0}
 SPLIT_COSTS: dict[str, float] = {"F": 1.0, "B": 1.0, "W": 1.0}

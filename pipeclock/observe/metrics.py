@@ -18,8 +18,8 @@ import psutil
 import torch
 
 from pipeclock import comms
-from pipeclock.orchestrator import StepRecord
-from pipeclock.timeline import Span, Timeline
+from pipeclock.engine.orchestrator import StepRecord
+from pipeclock.observe.timeline import Span, Timeline
 
 
 class ProcessMeter:

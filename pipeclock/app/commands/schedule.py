@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeclock.actions import is_split
-from pipeclock.diagrams import ascii_diagram, draw_comparison_png, draw_png
-from pipeclock.generators import (
+from pipeclock.engine.actions import is_split
+from pipeclock.engine.generators import (
     SCHEDULES,
     bubble_formula,
     bubble_formula_text,
@@ -19,8 +18,9 @@ from pipeclock.generators import (
     get_schedule,
     supports_chunks,
 )
-from pipeclock.simulate import DeadlockError, simulate
-from pipeclock.timeline import Timeline
+from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
+from pipeclock.observe.simulate import DeadlockError, simulate
+from pipeclock.observe.timeline import Timeline
 
 DEFAULT_CHUNKS = 2
 

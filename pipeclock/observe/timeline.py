@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipeclock.actions import Action
+from pipeclock.engine.actions import Action
 
 
 @dataclass(frozen=True, slots=True)

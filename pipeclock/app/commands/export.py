@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from pipeclock import checkpoint
+from pipeclock.app import checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ optimizer is per rank (each rank updates only the parameters it holds), which is
 parallelism needs: no parameter lives on two ranks.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
-step (``pipeclock.checkpoint``); with ``resume`` it continues from the newest complete checkpoint there,
+step (``pipeclock.app.checkpoint``); with ``resume`` it continues from the newest complete checkpoint there,
 whatever the number of stages that saved it. Since batch k depends only on (seed, k), a resumed run sees
 the data the uninterrupted run would have seen.
 """
@@ -20,12 +20,13 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn.functional as F
 
-from pipeclock import checkpoint, comms
-from pipeclock.data import SyntheticRegression
-from pipeclock.generators import generate, get_schedule, supports_chunks
-from pipeclock.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
+from pipeclock import comms
+from pipeclock.app import checkpoint
+from pipeclock.app.data import SyntheticRegression
+from pipeclock.engine.generators import generate, get_schedule, supports_chunks
+from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.model import ShardedMLP
-from pipeclock.orchestrator import Pipeline, StepRecord
+from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The application: training loop, checkpoints, data, and the command line."""

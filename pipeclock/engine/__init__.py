@@ -1,0 +1,1 @@
+"""The engine: the Action IR, schedule generators, and the orchestrator that runs them on one rank."""

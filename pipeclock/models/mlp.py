@@ -1,0 +1,83 @@
+"""The course's first subject: a deep MLP cut into pipeline stages.
+
+The course's point is the memory wall: a model too large for one device. So a rank builds *only* its
+stage's layers (``ShardedMLP``), never the full model. For the pieces to add up to the one-device model,
+layer i's initial weights depend only on (seed, i): the layers a stage builds equal the same layers of
+the one-stage model, whatever the number of stages.
+
+Rank r's chunk c is virtual stage ``c * num_stages + r`` (see ``pipeclock.engine.actions``), so with
+``chunks > 1`` each rank holds several non-adjacent slices of the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeclock.models.split import check_stage, partition, virtual_stages
+
+
+class ShardedMLP(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of an MLP of ``num_layers`` Linear(hidden, hidden) layers.
+
+    Every layer but the model's last is followed by a ReLU. Only this stage's layers are built; they are
+    stored under their global index (``layers.7.weight``) so names agree across any split.
+    """
+
+    def __init__(self, hidden: int, num_layers: int = 16, stage: int = 0, num_stages: int = 1, seed: int = 0):
+        super().__init__()
+        check_stage(stage, num_stages)
+        self.hidden, self.num_layers, self.stage, self.num_stages = hidden, num_layers, stage, num_stages
+        self.layer_indices = partition(num_layers, num_stages)[stage]
+        self.layers = nn.ModuleDict({str(i): _seeded_linear(hidden, seed, i) for i in self.layer_indices})
+
+    @classmethod
+    def for_rank(
+        cls, hidden: int, num_layers: int, rank: int, num_stages: int, chunks: int = 1, seed: int = 0
+    ) -> list[ShardedMLP]:
+        """Rank ``rank``'s chunks (virtual stages ``c * num_stages + rank``), as a list."""
+        total = num_stages * chunks
+        return [cls(hidden, num_layers, v, total, seed) for v in virtual_stages(rank, num_stages, chunks)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in self.layers.items():
+            x = layer(x)
+            if int(index) < self.num_layers - 1:
+                x = F.relu(x)
+        return x
+
+    def extra_repr(self) -> str:
+        layers = self.layer_indices
+        return f"stage={self.stage}/{self.num_stages}, layers={layers.start}..{layers.stop - 1}"
+
+
+def _seeded_linear(hidden: int, seed: int, index: int) -> nn.Linear:
+    """Layer ``index``'s Linear, initialised from (seed, index) alone (He init for the ReLUs)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    layer = nn.Linear(hidden, hidden, device="meta")
+    bound = math.sqrt(6.0 / hidden)
+    weight = (torch.rand(hidden, hidden, generator=generator) * 2 - 1) * bound
+    layer.weight = nn.Parameter(weight)
+    layer.bias = nn.Parameter(torch.zeros(hidden))
+    return layer
+
+
+def full_mlp(hidden: int, num_layers: int = 16, seed: int = 0) -> nn.Sequential:
+    """The one-device reference as a plain ``nn.Sequential`` (Linear, ReLU, ..., Linear).
+
+    Its Linear layers equal ``ShardedMLP``'s layer for layer; labs and tests compare against it.
+    """
+    modules: list[nn.Module] = []
+    for index in range(num_layers):
+        modules.append(_seeded_linear(hidden, seed, index))
+        if index < num_layers - 1:
+            modules.append(nn.ReLU())
+    return nn.Sequential(*modules)
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes taken by ``module``'s parameters."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())

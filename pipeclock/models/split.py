@@ -1,0 +1,55 @@
+"""Cutting a model into stages: balanced contiguous ranges of layers, and slices of an ``nn.Sequential``.
+
+Rank r's chunk c is virtual stage ``c * num_stages + r`` (see ``pipeclock.engine.actions``), so with
+``chunks > 1`` each rank holds several non-adjacent slices of the model.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from torch import nn
+
+
+def partition(num_layers: int, num_stages: int) -> list[range]:
+    """Split ``num_layers`` into ``num_stages`` contiguous ranges whose sizes differ by at most one.
+
+    The earlier stages get the extra layers: the last stage also computes the loss.
+    """
+    if num_stages < 1:
+        raise ValueError(f"the number of stages must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(
+            f"cannot split {num_layers} layers into {num_stages} stages: every stage needs at least one "
+            "layer (use fewer stages or chunks, or more layers)"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for stage in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [range(start, stop) for start, stop in pairwise(bounds)]
+
+
+def check_stage(stage: int, num_stages: int) -> None:
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is out of range for {num_stages} stages (0..{num_stages - 1})")
+
+
+def virtual_stages(stage: int, num_stages: int, chunks: int) -> list[int]:
+    check_stage(stage, num_stages)
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    return [chunk * num_stages + stage for chunk in range(chunks)]
+
+
+def split_sequential(
+    seq: nn.Sequential, stage: int, num_stages: int, chunks: int = 1
+) -> nn.Sequential | list[nn.Sequential]:
+    """This rank's slice of ``seq``: an ``nn.Sequential`` for one chunk, a list of them for several.
+
+    The slices keep ``seq``'s own module names (``"7"`` stays ``"7"``), so parameter names are the full
+    model's: a checkpoint written by any split loads into any other.
+    """
+    ranges = partition(len(seq), num_stages * chunks)
+    slices = [seq[ranges[v].start : ranges[v].stop] for v in virtual_stages(stage, num_stages, chunks)]
+    return slices[0] if chunks == 1 else slices

@@ -1,0 +1,1 @@
+"""Observing runs: the simulator, timelines, diagrams, metrics and reports."""
