@@ -14,14 +14,17 @@ The convention, for whoever writes a page:
   quoted lines between two ``...`` must appear together and in that order, and without a leading (or
   trailing) ``...`` the quote starts at the first (or ends at the last) line printed.
 - A quoted line matches a printed line when their words (split on white space) are the same. Numbers
-  are words: they must be exactly what the code prints today.
+  are words: they must be what the code prints today, except that a number with a decimal point may
+  differ by 1 % (``FLOAT_TOLERANCE``): another CPU's kernels add in another order, and a loss after a
+  hundred steps moves in its fourth digit.
 - An HTML comment ``<!-- docs`` ... ``-->`` on the lines just above the block changes that, one note
   per line:
 
   ``vary: REGEX``
       Lines in which REGEX is found carry measurements (timings, shares of a measured step). In them,
-      numbers with a decimal point or a thousands separator, and numbers followed by ``%``, may differ,
-      except right after ``= `` (the value of a formula). Everything else must match.
+      numbers with a decimal point or a thousands separator, and numbers followed by ``%`` or by ``x)``
+      (a ratio), may differ, except right after ``= `` (the value of a formula). Everything else must
+      match. Training losses go here too: their trajectory depends on the CPU's kernels.
   ``any: REGEX``
       Lines in which REGEX is found stand for any printed line in which REGEX finds the same text (e.g.
       ``^rank \\d \\|`` for a chart of a measured step).
@@ -51,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeclock.docs_tables import refresh_generated
+from pipeclock.app.docs_tables import refresh_generated
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 DOCS = REPOSITORY / "docs"
@@ -61,7 +64,7 @@ COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with 
 
 _NOTE_KEYS = ("vary", "any", "long", "figure")
 # A measured number: thousands separators, a decimal point, or a percent sign; not the value of a formula.
-_MEASURED = re.compile(r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%))")
+_MEASURED = re.compile(r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%|x\)))")
 
 
 # --- reading pages ----------------------------------------------------------------------------------
@@ -172,8 +175,27 @@ def line_matches(quoted: str, printed: str, notes: Notes) -> bool:
             other = pattern.search(printed)
             return other is not None and other.group(0) == found.group(0)
     if any(pattern.search(quoted) for pattern in notes.vary):
-        return _MEASURED.sub("#", quoted).split() == _MEASURED.sub("#", printed).split()
-    return quoted.split() == printed.split()
+        quoted, printed = _MEASURED.sub("#", quoted), _MEASURED.sub("#", printed)
+    return _words_match(quoted.split(), printed.split())
+
+
+FLOAT_TOLERANCE = 0.01
+_DECIMAL = re.compile(r"^([^\d-]*)(-?\d+\.\d+)([^\d]*)$")
+
+
+def _words_match(quoted: list[str], printed: list[str]) -> bool:
+    return len(quoted) == len(printed) and all(map(_word_matches, quoted, printed))
+
+
+def _word_matches(quoted: str, printed: str) -> bool:
+    """The same word, or the same decimal number to ``FLOAT_TOLERANCE`` with the same text around it."""
+    if quoted == printed:
+        return True
+    a, b = _DECIMAL.match(quoted), _DECIMAL.match(printed)
+    if not (a and b) or (a.group(1), a.group(3)) != (b.group(1), b.group(3)):
+        return False
+    x, y = float(a.group(2)), float(b.group(2))
+    return abs(x - y) <= FLOAT_TOLERANCE * max(abs(x), abs(y))
 
 
 class Mismatch(AssertionError):
