@@ -351,10 +351,30 @@ def all_gather(tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
     return gathered
 
 
-def broadcast(tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
-    """``src``'s ``tensor`` on every rank (in place), within the timeout."""
-    wait(dist.broadcast(tensor, src, async_op=True), what, src)
+def broadcast(
+    tensor: torch.Tensor, src: int, what: str, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``src``'s ``tensor`` on every rank (of ``group``; ``src`` is a global rank), in place, in time."""
+    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src)
     return tensor
+
+
+def all_reduce(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks (of ``group``), in place, within the timeout."""
+    wait(dist.all_reduce(tensor, group=group, async_op=True), what)
+    return tensor
+
+
+def all_gather_object(obj: object, what: str) -> list[object]:
+    """Every rank's picklable ``obj``, on every rank, within the timeout given to ``init``."""
+    if get_world_size() == 1:
+        return [obj]
+    gathered: list[object] = [None] * get_world_size()
+    try:
+        dist.all_gather_object(gathered, obj)
+    except RuntimeError as error:
+        raise explain(error, what) from error
+    return gathered
 
 
 def barrier(what: str = "waiting at a barrier") -> None:

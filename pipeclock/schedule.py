@@ -23,6 +23,7 @@ from pipeclock.engine.generators import (
     one_f_one_b,
     zero_bubble_h1,
 )
+from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.microbatch import microbatch_sizes, split_microbatches
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
 
@@ -31,6 +32,7 @@ __all__ = [
     "Action",
     "Pipeline",
     "StepRecord",
+    "TokenCrossEntropy",
     "bubble_formula",
     "bubble_formula_text",
     "generate",

@@ -87,37 +87,45 @@ def modified_in_place(captured: list[Captured]) -> Captured | None:
     return next((item for item in captured if item.output._version != item.version), None)
 
 
+def _zeros_for_unused(grads, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A stage input the stage did not use still gets a gradient: zeros, so every sender agrees."""
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+
+
 def backward_whole(
-    root: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor
-) -> torch.Tensor | None:
-    """Plain autograd backward through the stage (every ``.grad`` accumulated); the input's gradient."""
-    torch.autograd.backward(root, grad)
-    return stage_input.grad if stage_input.requires_grad else None
+    roots: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Plain autograd backward through the stage (every ``.grad`` accumulated); the inputs' gradients."""
+    if roots:
+        torch.autograd.backward(roots, grads)
+    return _zeros_for_unused([x.grad for x in inputs], inputs)
 
 
 def backward_input(
-    root: torch.Tensor,
-    grad: torch.Tensor | None,
-    stage_input: torch.Tensor,
+    roots: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    inputs: list[torch.Tensor],
     captured: list[Captured],
     keep_graph: bool,
-) -> tuple[torch.Tensor | None, list[WeightWork]]:
-    """``B``: the stage input's gradient, and the work ``W`` needs to finish the weights."""
+) -> tuple[list[torch.Tensor], list[WeightWork]]:
+    """``B``: the stage inputs' gradients, and the work ``W`` needs to finish the weights.
+
+    ``roots`` are the stage's outputs that carry a gradient (or its loss on the last stage) and
+    ``grads`` their received gradients (None for the loss); ``inputs`` the received leaves that want one.
+    """
     changed = modified_in_place(captured)
     if changed is not None:
         raise RuntimeError(
             f"the output of {type(changed.module).__name__} was modified in place after the forward; "
             "a split backward (B, W) cannot recover its gradient (avoid inplace=True right after it)"
         )
-    wants_input = stage_input.requires_grad
-    targets = ([stage_input] if wants_input else []) + [item.output for item in captured]
-    if not targets:
-        return None, []
-    grads = torch.autograd.grad(root, targets, grad, retain_graph=keep_graph, allow_unused=True)
-    input_grad = grads[0] if wants_input else None
-    output_grads = grads[1:] if wants_input else grads
+    targets = inputs + [item.output for item in captured]
+    if not targets or not roots:
+        return _zeros_for_unused([None] * len(inputs), inputs), []
+    found = torch.autograd.grad(roots, targets, grads, retain_graph=keep_graph, allow_unused=True)
+    input_grads, output_grads = found[: len(inputs)], found[len(inputs) :]
     work = [WeightWork(c, g) for c, g in zip(captured, output_grads, strict=True) if g is not None]
-    return input_grad, work
+    return _zeros_for_unused(input_grads, inputs), work
 
 
 def backward_weight(work: list[WeightWork]) -> None:

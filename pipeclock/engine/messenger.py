@@ -6,14 +6,16 @@ Nobody writes messages per schedule. The data flow of ``pipeclock.engine.actions
 - after ``B`` of stage s, the gradient of its input goes to the owner of stage s - 1;
 - so ``F`` of stage s receives an activation, and ``B`` of stage s a gradient (unless s is an end).
 
-Each message has its own tag (kind, stage, micro-batch), so on gloo arrival order does not matter and
-receives can be posted early (``expect_*``) to overlap the transfer with computation. Sends never
-block the sender; they are waited for in ``finish``. When both stages live on this rank (one rank with
-several chunks) the tensor is handed over in memory.
+An activation is a pytree (``pipeclock.engine.pytree``): one tensor, or a tuple, list or dict of them.
+Each leaf is one message with its own tag (kind, leaf, stage, micro-batch), so on gloo arrival order does
+not matter and receives can be posted early (``expect_*``) to overlap the transfer with computation.
+Sends never block the sender; they are waited for in ``finish``. When both stages live on this rank
+(one rank with several chunks) the tree is handed over in memory.
 
-A receiver cannot know the shape of an activation it has never seen (widths change between stages), so
-the first activation of each (stage, micro-batch size) is preceded by a small header, and the shape is
-cached on both sides. Gradients need no header: they have the shape of the output they belong to.
+A receiver cannot know the structure and shapes of an activation it has never seen (widths change
+between stages, a stage may hand on several tensors), so the first activation of each (stage,
+micro-batch size) is preceded by a header, and the layout is cached on both sides. Gradients need no
+header: one per floating-point leaf of the output they belong to, shaped like it.
 """
 
 from __future__ import annotations
@@ -24,39 +26,41 @@ from dataclasses import dataclass
 import torch
 
 from pipeclock import comms
+from pipeclock.engine import pytree
 from pipeclock.engine.actions import owner
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
-_KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "shape header"}
-MAX_STAGES = 1024
+_KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "structure header"}
+MAX_STAGES = 512
 MAX_MICROBATCHES = 65536
 
 
-def message_tag(kind: int, stage: int, microbatch: int) -> int:
+def message_tag(kind: int, stage: int, microbatch: int, leaf: int = 0) -> int:
     """A tag unique to one message of one step (below 2**31, as gloo requires)."""
-    return (kind * MAX_STAGES + stage) * MAX_MICROBATCHES + microbatch
+    return ((kind * pytree.MAX_LEAVES + leaf) * MAX_STAGES + stage) * MAX_MICROBATCHES + microbatch
 
 
 @dataclass
 class _Incoming:
-    """A posted receive: the data itself, or first the header that gives the data's shape."""
+    """Posted receives: the leaves of a tree (``spec`` to rebuild it), or first the header (no spec)."""
 
-    pending: comms.PendingRecv
-    is_header: bool
+    pending: list[comms.PendingRecv]
+    spec: object | None
+    is_header: bool = False
 
 
 class Messenger:
-    """This rank's messages for one pipeline: sends in flight, receives posted, shapes learned."""
+    """This rank's messages for one pipeline: sends in flight, receives posted, layouts learned."""
 
     def __init__(self, rank: int, num_stages: int, num_virtual: int):
         if num_virtual > MAX_STAGES:
             raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {num_virtual}")
         self.rank, self.num_stages, self.num_virtual = rank, num_stages, num_virtual
-        self._shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        self._layouts: dict[tuple[int, int], pytree.Layout] = {}
         self._announced: set[tuple[int, int]] = set()
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
         self._incoming: dict[tuple[int, int, int], _Incoming] = {}
-        self._local: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._local: dict[tuple[int, int, int], object] = {}
         self._sends: list[comms.PendingSend] = []
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
 
@@ -65,29 +69,36 @@ class Messenger:
 
     # --- sending ---------------------------------------------------------------------------------------
 
-    def send_activation(self, stage: int, microbatch: int, size: int, output: torch.Tensor) -> None:
+    def send_activation(self, stage: int, microbatch: int, size: int, output: pytree.Tree) -> None:
         """Stage ``stage``'s output for micro-batch ``microbatch`` (of ``size`` samples) goes to stage + 1."""
         target = stage + 1
         dest = self._rank_of(target)
         if dest == self.rank:
-            self._local[(ACTIVATION, target, microbatch)] = output.detach()
+            self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(torch.Tensor.detach, output)
             return
         if (target, size) not in self._announced:
+            pytree.check_tensors(output, f"the output of stage {stage}")
             self._announced.add((target, size))
-            self._sends.append(comms.send_meta(output, dest, message_tag(HEADER, target, microbatch)))
+            header = pytree.encode_header(output, comms.device())
+            tag = message_tag(HEADER, target, microbatch)
+            self._sends.append(comms.isend(header, dest, tag, "sending an activation's structure"))
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
-        self._sends.append(comms.isend(output, dest, message_tag(ACTIVATION, target, microbatch), what))
+        for leaf_index, leaf in enumerate(pytree.leaves(output)):
+            tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
+            self._sends.append(comms.isend(leaf, dest, tag, what))
         self._forget_finished_sends()
 
-    def send_gradient(self, stage: int, microbatch: int, grad: torch.Tensor) -> None:
-        """The gradient of stage ``stage``'s input goes back to stage - 1."""
+    def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
+        """The gradients of stage ``stage``'s floating input leaves go back to stage - 1."""
         target = stage - 1
         dest = self._rank_of(target)
         if dest == self.rank:
-            self._local[(GRADIENT, target, microbatch)] = grad
+            self._local[(GRADIENT, target, microbatch)] = grads
             return
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
-        self._sends.append(comms.isend(grad, dest, message_tag(GRADIENT, target, microbatch), what))
+        for leaf_index, grad in enumerate(grads):
+            tag = message_tag(GRADIENT, target, microbatch, leaf_index)
+            self._sends.append(comms.isend(grad, dest, tag, what))
         self._forget_finished_sends()
 
     def _forget_finished_sends(self) -> None:
@@ -101,48 +112,57 @@ class Messenger:
         src = self._rank_of(stage - 1)
         if src == self.rank or key in self._incoming:
             return
-        shape = self._shapes.get((stage, size))
-        if shape is not None:
-            self._incoming[key] = _Incoming(self._post_data(key, src, *shape), is_header=False)
+        layout = self._layouts.get((stage, size))
+        if layout is not None:
+            spec, shapes = layout
+            self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), spec)
         elif self._header_carrier.setdefault((stage, size), microbatch) == microbatch:
-            header = comms.irecv_meta(src, message_tag(HEADER, stage, microbatch), self._what(key))
-            self._incoming[key] = _Incoming(header, is_header=True)
+            tag = message_tag(HEADER, stage, microbatch)
+            header = comms.irecv((pytree.HEADER_BYTES,), src, torch.uint8, tag, self._what(key))
+            self._incoming[key] = _Incoming([header], None, is_header=True)
         # else: an earlier micro-batch of this size brings the header; this receive is posted once the
-        # shape is known (schedules send and receive each stage's micro-batches in the same order).
+        # layout is known (schedules send and receive each stage's micro-batches in the same order).
 
-    def expect_gradient(self, stage: int, microbatch: int, like: torch.Tensor) -> None:
-        """Post the receive of the gradient of stage ``stage``'s output (shaped ``like`` that output)."""
+    def expect_gradient(self, stage: int, microbatch: int, like: pytree.Tree) -> None:
+        """Post the receives of the gradients of stage ``stage``'s output (shaped like its float leaves)."""
         key = (GRADIENT, stage, microbatch)
         src = self._rank_of(stage + 1)
         if src == self.rank or key in self._incoming:
             return
-        self._incoming[key] = _Incoming(self._post_data(key, src, tuple(like.shape), like.dtype), False)
+        shapes = [(tuple(leaf.shape), leaf.dtype) for leaf in pytree.gradient_leaves(like)]
+        self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), None)
 
-    def receive_activation(self, stage: int, microbatch: int, size: int) -> torch.Tensor:
+    def receive_activation(self, stage: int, microbatch: int, size: int) -> pytree.Tree:
         self.expect_activation(stage, microbatch, size)
         return self._take((ACTIVATION, stage, microbatch), size)
 
-    def receive_gradient(self, stage: int, microbatch: int, like: torch.Tensor) -> torch.Tensor:
+    def receive_gradient(self, stage: int, microbatch: int, like: pytree.Tree) -> list[torch.Tensor]:
         self.expect_gradient(stage, microbatch, like)
         return self._take((GRADIENT, stage, microbatch), None)
 
-    def _take(self, key: tuple[int, int, int], size: int | None) -> torch.Tensor:
+    def _take(self, key: tuple[int, int, int], size: int | None):
         if key in self._local:
             return self._local.pop(key)
         incoming = self._incoming.pop(key)
         start = time.perf_counter()
         try:
             if incoming.is_header:
-                shape, dtype = comms.decode_meta(incoming.pending.wait(), incoming.pending.src)
-                self._shapes[(key[1], size)] = (shape, dtype)
+                (header,) = incoming.pending
+                spec, shapes = pytree.decode_header(header.wait())
+                self._layouts[(key[1], size)] = (spec, shapes)
                 del self._header_carrier[(key[1], size)]
-                incoming = _Incoming(self._post_data(key, incoming.pending.src, shape, dtype), False)
-            return incoming.pending.wait()
+                incoming = _Incoming(self._post_leaves(key, header.src, shapes), spec)
+            received = [pending.wait() for pending in incoming.pending]
+            return received if incoming.spec is None else pytree.unflatten(received, incoming.spec)
         finally:
             self.wait_seconds += time.perf_counter() - start
 
-    def _post_data(self, key, src: int, shape: tuple[int, ...], dtype: torch.dtype) -> comms.PendingRecv:
-        return comms.irecv(shape, src, dtype, message_tag(*key), self._what(key))
+    def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv]:
+        kind, stage, microbatch = key
+        return [
+            comms.irecv(shape, src, dtype, message_tag(kind, stage, microbatch, leaf), self._what(key))
+            for leaf, (shape, dtype) in enumerate(shapes)
+        ]
 
     @staticmethod
     def _what(key: tuple[int, int, int]) -> str:

@@ -6,15 +6,20 @@ action is one "tick": ``F`` runs a micro-batch forward through one local chunk, 
 what to send after it follows from the action alone (``pipeclock.engine.messenger``); the loop never
 asks which schedule it is running.
 
-The math is the one-device math: each micro-batch's mean loss is weighted by its share of the batch, so
-after a step every ``.grad`` holds what the whole model on one process computes for the whole batch.
+The math is the one-device math: each micro-batch's loss is weighted by its share of what the batch's
+loss averages over (samples, or counted tokens: ``pipeclock.engine.losses``), dropout masks are keyed by
+sample rather than drawn (``pipeclock.engine.rng``), and tied weights get their copies' gradients
+summed (``pipeclock.engine.ties``), so after a step every ``.grad`` holds what the whole model on one
+process computes for the whole batch.
+
+``evaluate`` runs the same forwards without building any graph: the validation loss, on every rank.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import comms
-from pipeclock.engine.actions import Action, is_split, validate, virtual_stage
+from pipeclock.engine import pytree, rng
+from pipeclock.engine.actions import Action, is_split, owner, validate, virtual_stage
 from pipeclock.engine.backward import (
     ParameterOutputs,
     backward_input,
@@ -33,13 +39,13 @@ from pipeclock.engine.backward import (
     modified_in_place,
 )
 from pipeclock.engine.generators import Generator, generate
+from pipeclock.engine.losses import LossFn, loss_scales
 from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
-from pipeclock.engine.microbatch import loss_weights, microbatch_sizes
+from pipeclock.engine.microbatch import microbatch_sizes
+from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class StageError(RuntimeError):
@@ -60,8 +66,9 @@ class StepRecord:
 class _Stash:
     """What a micro-batch's forward leaves for its backward on one chunk."""
 
-    stage_input: torch.Tensor
-    root: torch.Tensor | None  # the chunk's output, or the weighted loss on the last stage
+    stage_input: object  # the received pytree (or the micro-batch's inputs on the first stage)
+    output: object | None  # the chunk's output pytree
+    root: torch.Tensor | None  # the weighted loss, on the last stage
     captured: list = field(default_factory=list)
     weight_work: list = field(default_factory=list)
 
@@ -71,6 +78,11 @@ class Pipeline:
 
     ``stage_or_chunks`` is this rank's module, or a list of modules (one per chunk) for interleaved
     schedules. ``schedule`` is a name from ``schedule.SCHEDULES`` or a generator function.
+
+    ``loss_fn(output, targets)`` returns the mean loss over a micro-batch's samples; or, when it has a
+    ``count(targets)`` method (``TokenCrossEntropy``), the *sum* over what ``count`` counts, and the
+    step divides by the batch's total count (a token mean exact under uneven padding). Stages may hand
+    each other any pytree of tensors. Parameters marked with ``tie`` have their copies' gradients summed.
     """
 
     def __init__(
@@ -91,6 +103,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.table = self._build_schedule(schedule)  # every rank's actions
         self.actions = self.table[self.rank]
+        # evaluation: every forward in (micro-batch, stage) order, an order every rank agrees on
+        self.forward_actions = sorted((a for a in self.actions if a.op == "F"), key=_forward_order)
         self.split = is_split(self.table)  # backward split into B and W
         self.num_virtual = self.num_stages * len(self.chunks)
         self.messenger = Messenger(self.rank, self.num_stages, self.num_virtual)
@@ -98,6 +112,8 @@ class Pipeline:
         self.parameter_outputs = ParameterOutputs(self.chunks)
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
+        self.ties = TiedGradients(self.chunks)
+        self.steps_done = 0  # keys dropout masks by step; set it when resuming a run
         self.last: StepRecord | None = None
 
     def _build_schedule(self, schedule: str | Generator) -> list[list[Action]]:
@@ -119,25 +135,44 @@ class Pipeline:
 
     # --- one training step -----------------------------------------------------------------------------
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> float:
+    def step(self, inputs=None, targets=None) -> float:
         """Forward and backward over the batch; returns the batch's mean loss (a float) on every rank.
 
-        ``inputs`` are read on the first stage and ``targets`` on the last; other ranks may pass None.
-        Gradients accumulate into ``.grad`` as after ``loss.backward()``: zeroing them and the optimizer
-        step stay the caller's.
+        ``inputs`` (a tensor or pytree) are read on the first stage and ``targets`` on the last; other
+        ranks may pass None. Gradients accumulate into ``.grad`` as after ``loss.backward()``: zeroing
+        them and the optimizer step stay the caller's.
         """
         start = time.perf_counter()
         sizes = self._agree_on_batch(inputs, targets)
+        self.ties.prepare()
         run = _StepRun(self, sizes, inputs, targets)
-        run.prefetch(0)
-        for index, action in enumerate(self.actions):
-            run.prefetch(index + 1)  # receives are posted in action order, one tick ahead
-            run.execute(action)
-        self.messenger.finish()
+        run.run()
+        self.ties.sync()
         loss = self._share_loss(run.loss)
         peak = self.meter.peak if self.meter else None
         self.last = StepRecord(loss, time.perf_counter() - start, run.spans, peak)
+        self.steps_done += 1
         return loss
+
+    def evaluate(self, inputs=None, targets=None) -> float:
+        """The batch's mean loss, forward only: no graph built, no activation held, dropout off.
+
+        Every rank calls it together, like ``step``; the modules are in ``eval()`` mode meanwhile and
+        return to their own mode after.
+        """
+        sizes = self._agree_on_batch(inputs, targets)
+        self.ties.prepare()
+        modes = [chunk.training for chunk in self.chunks]
+        run = _StepRun(self, sizes, inputs, targets, training=False)
+        try:
+            for chunk in self.chunks:
+                chunk.eval()
+            with torch.no_grad():
+                run.run()
+        finally:
+            for chunk, mode in zip(self.chunks, modes, strict=True):
+                chunk.train(mode)
+        return self._share_loss(run.loss)
 
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
         """Share the batch size and check that every rank runs the same configuration.
@@ -151,8 +186,8 @@ class Pipeline:
                 self.num_microbatches,
                 len(self.chunks),
                 zlib.crc32(self.schedule_name.encode()),
-                _batch_size(inputs) if first else -2,
-                _batch_size(targets) if last else -2,
+                _batch_size(inputs, "the inputs") if first else -2,
+                _batch_size(targets, "the targets") if last else -2,
             ],
             dtype=torch.int64,
             device=self.device,
@@ -188,31 +223,44 @@ class Pipeline:
 
 
 class _StepRun:
-    """The state of one step on one rank: micro-batches, stashes, the loss and the spans."""
+    """The state of one step (or one evaluation) on one rank: micro-batches, stashes, loss and spans."""
 
-    def __init__(self, pipe: Pipeline, sizes: list[int], inputs, targets):
-        self.pipe, self.sizes, self.weights = pipe, sizes, loss_weights(sizes)
-        self.inputs = _split(inputs, sizes, pipe.device) if pipe.rank == 0 else None
-        self.targets = _split(targets, sizes, pipe.device) if pipe.rank == pipe.num_stages - 1 else None
+    def __init__(self, pipe: Pipeline, sizes: list[int], inputs, targets, training: bool = True):
+        self.pipe, self.sizes, self.training = pipe, sizes, training
+        self.actions = pipe.actions if training else pipe.forward_actions
+        self.first_samples = [sum(sizes[:mb]) for mb in range(len(sizes))]
+        self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == 0 else None
+        self.targets = None
+        if pipe.rank == pipe.num_stages - 1:
+            self.targets = pytree.split(targets, sizes, pipe.device)
+            self.scales = loss_scales(pipe.loss_fn, self.targets, sizes)
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.loss: torch.Tensor | None = None
         self.spans: list[Span] = []
-        if pipe.meter:
-            pipe.meter.reset()
+        self.meter = pipe.meter
+        if self.meter:
+            self.meter.reset()
 
     def _stage(self, action: Action) -> int:
         return virtual_stage(self.pipe.rank, action.chunk, self.pipe.num_stages)
 
     def prefetch(self, index: int) -> None:
         """Post the receive that action ``index`` will need, so its data arrives during this tick."""
-        if index >= len(self.pipe.actions):
+        if index >= len(self.actions):
             return
-        action = self.pipe.actions[index]
+        action = self.actions[index]
         stage, mb = self._stage(action), action.microbatch
         if action.op == "F" and stage > 0:
             self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
         elif action.op == "B" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
-            self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].root)
+            self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
+
+    def run(self) -> None:
+        self.prefetch(0)
+        for index, action in enumerate(self.actions):
+            self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
+            self.execute(action)
+        self.pipe.messenger.finish()
 
     def execute(self, action: Action) -> None:
         messenger = self.pipe.messenger
@@ -226,56 +274,97 @@ class _StepRun:
             stage = self._stage(action)
             raise StageError(
                 f"rank {self.pipe.rank}: {action} (virtual stage {stage}) failed: {error}"
+                + self._input_note(action)
             ) from error
         if self.pipe.device.type == "cuda":
             torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
         self.spans.append(Span(self.pipe.rank, action, start, time.perf_counter(), messenger.wait_seconds))
+
+    def _input_note(self, action: Action) -> str:
+        """For a failed forward: what the previous stage handed over, which names both stages."""
+        stage = self._stage(action)
+        if action.op != "F" or stage == 0:
+            return ""
+        sender = owner(stage - 1, self.pipe.num_stages)[0]
+        received = getattr(self, "_last_input", None)
+        shown = pytree.describe(received) if received is not None else "nothing"
+        return f"; its input came from stage {stage - 1} (rank {sender}) as {shown}"
 
     def forward(self, action: Action) -> None:
         pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
         if stage == 0:
             stage_input = self.inputs[mb]
         else:
-            stage_input = pipe.messenger.receive_activation(stage, mb, self.sizes[mb]).requires_grad_()
-        meter, captures = pipe.meter, pipe.parameter_outputs
-        stashed = [stage_input]
-        with meter.measuring((mb, action.chunk), stashed) if meter else nullcontext():
-            with captures.capture() as captured:
-                fed = stage_input.clone() if pipe.copies_input[action.chunk] else stage_input
-                output = pipe.chunks[action.chunk](fed)
-            stashed.append(output)
+            stage_input = pipe.messenger.receive_activation(stage, mb, self.sizes[mb])
+            self._last_input = stage_input
+            if self.training:
+                for leaf in pytree.gradient_leaves(stage_input):
+                    leaf.requires_grad_()
+        with rng.keyed(pipe.steps_done, self.first_samples[mb]):
+            output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
         if stage == pipe.num_virtual - 1:
-            root = pipe.loss_fn(output, self.targets[mb]) * self.weights[mb]
+            root = pipe.loss_fn(output, self.targets[mb]) * self.scales[mb]
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
-            root = output
+            root = None
             pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
-        self.stash[(mb, action.chunk)] = _Stash(stage_input, root, captured)
-        if meter:
-            meter.hold((mb, action.chunk))
+        if self.training:
+            self.stash[(mb, action.chunk)] = _Stash(stage_input, output, root, self._captured)
+            if self.meter:
+                self.meter.hold((mb, action.chunk))
+
+    def _run_chunk(self, chunk: int, stage_input, key: tuple[int, int]):
+        """The chunk's forward; in training, its parameter outputs captured and its activations metered."""
+        pipe = self.pipe
+        if not self.training:  # whatever autograd would save is metered: nothing, under no_grad
+            self._captured = []
+            with self.meter.measuring(key, []) if self.meter else nullcontext():
+                output = pipe.chunks[chunk](stage_input)
+            if self.meter:
+                self.meter.hold(key)
+                self.meter.release(key)
+            return output
+        stashed: list[torch.Tensor] = pytree.leaves(stage_input)
+        with self.meter.measuring(key, stashed) if self.meter else nullcontext():
+            with pipe.parameter_outputs.capture() as self._captured:
+                fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
+                output = pipe.chunks[chunk](fed)
+            stashed += pytree.leaves(output)
+        return output
 
     def backward(self, action: Action) -> None:
         pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
         key = (mb, action.chunk)
         stash = self.stash[key]
-        grad = (
-            None if stage == pipe.num_virtual - 1 else pipe.messenger.receive_gradient(stage, mb, stash.root)
-        )
+        if stage == pipe.num_virtual - 1:
+            roots, grads = [stash.root], None
+        else:
+            received = pipe.messenger.receive_gradient(stage, mb, stash.output)
+            pairs = [
+                (out, g)
+                for out, g in zip(pytree.gradient_leaves(stash.output), received, strict=True)
+                if out.requires_grad
+            ]
+            roots, grads = [out for out, _ in pairs], [g for _, g in pairs]
+        inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
         if not pipe.split and modified_in_place(stash.captured):
-            input_grad = backward_whole(stash.root, grad, stash.stage_input)  # plain autograd, same result
+            input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
             keep_graph = pipe.parameter_outputs.keeps_graph
-            input_grad, work = backward_input(stash.root, grad, stash.stage_input, stash.captured, keep_graph)
+            input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
             if pipe.split:  # W comes later: hold only what it needs
-                self.stash[key] = _Stash(stash.stage_input, stash.root if keep_graph else None, [], work)
-                if pipe.meter:
-                    pipe.meter.update(key, held_tensors(work), keep_graph)
+                kept = stash.root if keep_graph else None
+                self.stash[key] = _Stash(
+                    stash.stage_input, stash.output if keep_graph else None, kept, [], work
+                )
+                if self.meter:
+                    self.meter.update(key, held_tensors(work), keep_graph)
             else:
                 backward_weight(work)
                 self._done(*key)
         if stage > 0:
-            pipe.messenger.send_gradient(stage, mb, input_grad)
+            pipe.messenger.send_gradient(stage, mb, input_grads)
 
     def weight(self, action: Action) -> None:
         backward_weight(self.stash[(action.microbatch, action.chunk)].weight_work)
@@ -283,8 +372,17 @@ class _StepRun:
 
     def _done(self, mb: int, chunk: int) -> None:
         del self.stash[(mb, chunk)]
-        if self.pipe.meter:
-            self.pipe.meter.release((mb, chunk))
+        if self.meter:
+            self.meter.release((mb, chunk))
+
+
+def _copy_floats(tree):
+    """A copy of the floating leaves, for a chunk whose first layer works in place on its input."""
+    return pytree.tree_map(lambda leaf: leaf.clone() if pytree.carries_gradient(leaf) else leaf, tree)
+
+
+def _forward_order(action: Action) -> tuple[int, int]:
+    return action.microbatch, action.chunk
 
 
 def _as_chunks(stage_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -306,9 +404,5 @@ def _starts_in_place(module: nn.Module) -> bool:
     return bool(getattr(module, "inplace", False))
 
 
-def _batch_size(tensor: torch.Tensor | None) -> int:
-    return -1 if tensor is None else (tensor.shape[0] if tensor.dim() else 0)
-
-
-def _split(batch: torch.Tensor, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
-    return list(torch.split(batch.to(device), sizes))
+def _batch_size(tree, what: str) -> int:
+    return -1 if tree is None else pytree.batch_size(tree, what)

@@ -1,0 +1,67 @@
+"""What a batch's loss averages over, so that micro-batch losses add up to the one-device loss.
+
+A loss is a mean, but a mean of what? ``mse_loss`` averages over samples (and their elements, the same
+count in every sample), so micro-batch k's mean weighted by its share of the samples gives the batch's
+mean exactly. A language model's token loss averages over the tokens that count: with padding
+(``ignore_index``) spread unevenly, micro-batches of equal size hold different numbers of counted tokens,
+and weighting by samples gives another number than one device (4.2429 against 4.2066 in one case).
+
+So a loss may say what it counts. A loss function with a ``count(targets)`` method returns the *sum*
+over what it counts, and the pipeline divides every micro-batch's sum by the whole batch's count: the
+batch's token mean, exactly, whatever the split. A plain callable is a mean over samples, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pipeclock.engine.microbatch import loss_weights
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class TokenCrossEntropy:
+    """Cross-entropy summed over the tokens whose target is not ``ignore_index``; ``count`` counts them.
+
+    ``logits`` are ``(batch, tokens, vocab)`` and ``targets`` ``(batch, tokens)``. Given to a
+    ``Pipeline``, the step's loss is the mean over every counted token of the batch, in nats.
+    """
+
+    def __init__(self, ignore_index: int = -100):
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.flatten(0, -2).float(),
+            targets.flatten(),
+            ignore_index=self.ignore_index,
+            reduction="sum",
+        )
+
+    def count(self, targets: torch.Tensor) -> int:
+        return int((targets != self.ignore_index).sum())
+
+    def mean(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The one-device loss: the mean over the counted tokens (what a reference model computes)."""
+        return self(logits, targets) / self.count(targets)
+
+
+def counts_what(loss_fn: LossFn) -> bool:
+    """True when ``loss_fn`` returns a sum and says what it counts (a ``count(targets)`` method)."""
+    return callable(getattr(loss_fn, "count", None))
+
+
+def loss_scales(loss_fn: LossFn, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+    """The factor each micro-batch's loss is multiplied by so that they add up to the batch's mean.
+
+    Summed losses are divided by the batch's total count (a batch with nothing counted has no mean: the
+    loss is NaN, as on one device); mean losses are weighted by their share of the samples.
+    """
+    if not counts_what(loss_fn):
+        return loss_weights(list(sizes))
+    total = sum(loss_fn.count(target) for target in targets)  # type: ignore[attr-defined]
+    return [1.0 / total if total else float("nan")] * len(targets)

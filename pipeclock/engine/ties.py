@@ -1,0 +1,100 @@
+"""Weights tied across stages: one matrix on one device, a copy on each stage that uses it.
+
+GPT-2's token embedding (first stage) and its output head (last stage) are one matrix. Cut into stages,
+each end holds a copy. For the update to be one device's, the copies must start equal and receive the same
+gradient: the sum of both uses' gradients, which is what the one shared tensor accumulates on one device.
+
+Declare a tie once, where the model is built: ``tie(parameter, key)`` marks a parameter with the name of
+the weight it is a copy of (its one-device name, e.g. ``embed.wte.weight``). A ``Pipeline`` finds the
+marks on its modules: copies on one rank are summed in memory (or are already the same tensor), copies on
+several ranks are summed by one all-reduce over just those ranks. On the first step the copies are made
+equal (the lowest rank's copy wins), so a user's own model cannot start them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeclock import comms
+
+TIE_ATTRIBUTE = "pipeclock_tie"
+
+
+def tie(parameter: nn.Parameter, key: str) -> nn.Parameter:
+    """Mark ``parameter`` as a copy of the tied weight named ``key``; returns it."""
+    setattr(parameter, TIE_ATTRIBUTE, key)
+    return parameter
+
+
+def tie_key(parameter: torch.Tensor) -> str | None:
+    return getattr(parameter, TIE_ATTRIBUTE, None)
+
+
+def tied_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter]]:
+    """This rank's copies of each tied weight, each distinct tensor once."""
+    found: dict[str, list[nn.Parameter]] = {}
+    for module in modules:
+        for parameter in module.parameters():
+            key = tie_key(parameter)
+            if key is not None and all(parameter is not p for p in found.get(key, [])):
+                found.setdefault(key, []).append(parameter)
+    return found
+
+
+@dataclass
+class _Tie:
+    key: str
+    copies: list[nn.Parameter]  # this rank's
+    ranks: list[int]  # every rank holding a copy
+    group: dist.ProcessGroup | None  # None when only this rank holds it
+
+
+class TiedGradients:
+    """Sums the gradients of every tied weight over its copies; every rank creates one, together."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.local = tied_parameters(modules)
+        self.ties: list[_Tie] | None = None  # found on the first sync: a collective every rank joins
+
+    def _connect(self) -> list[_Tie]:
+        rank = comms.get_rank()
+        holders = comms.all_gather_object(sorted(self.local), "finding the ranks that share tied weights")
+        ties = []
+        for key in sorted({key for keys in holders for key in keys}):
+            ranks = [r for r, keys in enumerate(holders) if key in keys]
+            group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank calls new_group
+            if rank in ranks:
+                ties.append(_Tie(key, self.local[key], ranks, group))
+        for tied in ties:
+            self._make_equal(tied)
+        return ties
+
+    @staticmethod
+    def _make_equal(tied: _Tie) -> None:
+        first = tied.copies[0]
+        with torch.no_grad():
+            if tied.group is not None:
+                comms.broadcast(first.data, tied.ranks[0], f"sharing the tied weight {tied.key}", tied.group)
+            for copy in tied.copies[1:]:
+                copy.copy_(first)
+
+    def prepare(self) -> None:
+        """Before the first forward: find who holds which tie, and make the copies equal."""
+        if self.ties is None:
+            self.ties = self._connect()
+
+    def sync(self) -> None:
+        """After the backward: every copy's ``.grad`` becomes the sum over all copies (one device's)."""
+        self.prepare()
+        for tied in self.ties:
+            grads = [copy.grad for copy in tied.copies if copy.grad is not None]
+            total = sum(grads[1:], grads[0].clone()) if grads else torch.zeros_like(tied.copies[0])
+            if tied.group is not None:
+                comms.all_reduce(total, f"summing the gradients of the tied weight {tied.key}", tied.group)
+            for copy in tied.copies:
+                copy.grad = total if len(tied.copies) == 1 else total.clone()
