@@ -13,7 +13,7 @@ On disk, one directory per checkpoint::
         .metadata        DCP's index of every key (written by rank 0)
         __0_0.distcp     rank 0's tensors, and the keys every rank shares (step, loss, ...)
         __1_0.distcp     rank 1's tensors
-        pipeclock.json   the run's model (hidden, layers, seed) and its stages, for export and resume
+        pipeclock.json   the run's model (its kind and size, the seed) and its stages, for export and resume
 
 A save is atomic: it is written into ``step_000010.partial/`` and renamed once every rank has written its
 file and rank 0 the metadata. A directory with the suffix is never read, so a run killed mid-save leaves
@@ -38,7 +38,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeclock import comms
-from pipeclock.model import ShardedMLP
+from pipeclock.engine.ties import tie_key
+from pipeclock.models.registry import full_model
 
 PARTIAL = ".partial"
 RUN_FILE = "pipeclock.json"
@@ -109,7 +110,7 @@ def read_run(path: str | os.PathLike) -> dict:
 def save(
     root: str | os.PathLike,
     position: Position,
-    modules: Sequence[ShardedMLP],
+    modules: Sequence[nn.Module],
     optimizer: torch.optim.Optimizer,
     run: dict,
 ) -> Path:
@@ -134,9 +135,7 @@ def save(
     return final
 
 
-def load(
-    path: str | os.PathLike, modules: Sequence[ShardedMLP], optimizer: torch.optim.Optimizer
-) -> Position:
+def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Position:
     """Load the checkpoint at ``path`` into this rank's layers and optimizer; returns where it stopped.
 
     Works whatever the number of stages that saved it: only the keys of this rank's layers are read.
@@ -144,7 +143,7 @@ def load(
     state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
     with _explained(f"loading {path}"):
         dcp.load(state, checkpoint_id=path)
-    view = _StageView(modules)
+    view = GlobalView(modules)
     set_state_dict(
         view, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
     )
@@ -167,34 +166,60 @@ def agreed_newest(root: str | os.PathLike) -> Path | None:
 def load_full_model(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model's ``state_dict`` from the checkpoint at ``path``, and its run description.
 
-    Needs no process group: the one process reads every layer's key. The state_dict loads into
-    ``ShardedMLP(hidden, layers)``.
+    It loads into the model ``models.registry.full_model(run)`` builds (``ShardedMLP(hidden, layers)``,
+    or ``gpt_sequential(GPTConfig(**run["gpt"]))``).
+    """
+    model, run = load_model(path)
+    return model.state_dict(), run
+
+
+def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
+    """The whole model, loaded from the checkpoint at ``path``, and its run description.
+
+    Needs no process group: the one process reads every layer's key (a tied weight once).
     """
     run = read_run(path)
-    state = {"model": ShardedMLP(run["hidden"], run["layers"], seed=run.get("seed", 0)).state_dict()}
+    model = full_model(run)
+    state = {"model": GlobalView([model]).state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state["model"], run
+    return model, run
 
 
 # --- what a rank saves ---------------------------------------------------------------------------------
 
 
-class _StageView(nn.Module):
+class GlobalView(nn.Module):
     """This rank's chunks as one module whose parameter names are the full model's (``layers.7.weight``).
 
     DCP's state_dict helpers name the optimizer's state after the parameters of the module they are given;
     seen through this view, layer 7's Adam state is ``state.layers.7.weight.exp_avg`` on whichever rank.
+    A tied copy goes by the name of the weight it copies, so the tied weight is stored once (DCP keeps
+    one of the identical copies) and loads into every copy.
     """
 
-    def __init__(self, modules: Sequence[ShardedMLP]):
+    def __init__(self, modules: Sequence[nn.Module]):
         super().__init__()
-        self.layers = nn.ModuleDict({index: layer for m in modules for index, layer in m.layers.items()})
+        for module in modules:
+            for name, parameter in module.named_parameters():
+                _attach(self, tie_key(parameter) or name, parameter)
+
+
+def _attach(root: nn.Module, name: str, parameter: nn.Parameter) -> None:
+    """Register ``parameter`` under the dotted ``name``, creating the plain modules on the way."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if leaf not in module._parameters:
+        module.register_parameter(leaf, parameter)
 
 
 def _full_state(
-    modules: Sequence[ShardedMLP],
+    modules: Sequence[nn.Module],
     optimizer: torch.optim.Optimizer,
     position: Position,
     rng_rank: int | None = None,
@@ -204,7 +229,7 @@ def _full_state(
     For a load, the values are placeholders of the right shapes that DCP fills in place; ``rng_rank``
     names the rank whose saved RNG state this rank takes.
     """
-    model, optim = get_state_dict(_StageView(modules), optimizer, options=_OPTIONS)
+    model, optim = get_state_dict(GlobalView(modules), optimizer, options=_OPTIONS)
     rank = comms.get_rank() if rng_rank is None else rng_rank
     return {
         "model": model,

@@ -11,11 +11,12 @@ import importlib
 import sys
 
 COMMANDS: dict[str, str] = {
-    "train": "train a ShardedMLP with pipeline parallelism (the main job; launch with torchrun)",
+    "train": "train a ShardedMLP or a GPT with pipeline parallelism (the main job; launch with torchrun)",
     "schedule": "draw or simulate a schedule, no processes needed",
     "lab": "run one of the course's labs (launches torchrun itself where the lab needs processes)",
     "bench": "compare pipeclock with torch.distributed.pipelining and one process",
     "export": "write one plain state_dict for the whole model from a checkpoint",
+    "generate": "sample text on one process from a checkpoint of train --model gpt",
     "docs": "regenerate the course's figures and outputs",
 }
 

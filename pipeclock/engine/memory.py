@@ -34,25 +34,24 @@ class ActivationMeter:
     @contextmanager
     def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
         """Count what autograd saves inside the block, plus the tensors in ``stashed`` (read at exit)."""
-        saved: list[torch.Tensor] = []
+        saved: list[tuple[int, int]] = []
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            saved.append(tensor)  # the hook runs per saved tensor: keep it to an append
-            return tensor
+            # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as
+            # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
+            # that keeps every step's graph alive (memory grew by a step's activations per step).
+            saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            return tensor.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        self._bytes[key] = self._distinct_bytes(saved + stashed)
+        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in stashed]
+        self._bytes[key] = self._distinct_bytes(saved + located)
 
-    def _distinct_bytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the distinct non-parameter tensors among ``tensors``."""
-        seen: dict[tuple[int, int], int] = {}
-        for tensor in tensors:
-            pointer = tensor.data_ptr()
-            if pointer not in self._parameter_pointers:
-                nbytes = tensor.numel() * tensor.element_size()
-                seen[(pointer, nbytes)] = nbytes
-        return sum(seen.values())
+    def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
+        """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
+        distinct = {item for item in located if item[0] not in self._parameter_pointers}
+        return sum(nbytes for _, nbytes in distinct)
 
     def hold(self, key: object) -> None:
         """The micro-batch ``key`` has finished its forward: its bytes are now held."""
@@ -62,7 +61,8 @@ class ActivationMeter:
     def update(self, key: object, tensors: list[torch.Tensor], add: bool) -> None:
         """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
         forward's tensors: a split backward's B frees the graph but keeps what W needs."""
-        held = self._distinct_bytes(tensors) + (self._bytes[key] if add else 0)
+        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        held = self._distinct_bytes(located) + (self._bytes[key] if add else 0)
         self.live += held - self._bytes[key]
         self._bytes[key] = held
         self.peak = max(self.peak, self.live)
@@ -70,3 +70,7 @@ class ActivationMeter:
     def release(self, key: object) -> None:
         """The micro-batch ``key`` has finished its backward: its bytes are freed."""
         self.live -= self._bytes.pop(key)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

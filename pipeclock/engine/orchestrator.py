@@ -18,6 +18,7 @@ process computes for the whole batch.
 from __future__ import annotations
 
 import time
+import warnings
 import zlib
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -113,6 +114,7 @@ class Pipeline:
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks)
+        _warn_about_batch_norm(self.rank, self.chunks)
         self.steps_done = 0  # keys dropout masks by step; set it when resuming a run
         self.last: StepRecord | None = None
 
@@ -379,6 +381,16 @@ class _StepRun:
 def _copy_floats(tree):
     """A copy of the floating leaves, for a chunk whose first layer works in place on its input."""
     return pytree.tree_map(lambda leaf: leaf.clone() if pytree.carries_gradient(leaf) else leaf, tree)
+
+
+def _warn_about_batch_norm(rank: int, chunks: list[nn.Module]) -> None:
+    """BatchNorm's statistics are per micro-batch, by nature: the one place a pipeline changes the math."""
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for chunk in chunks for m in chunk.modules()):
+        warnings.warn(
+            f"rank {rank}: this stage holds a BatchNorm, which normalises over each micro-batch, not the "
+            "whole batch: its results depend on the number of micro-batches (LayerNorm does not)",
+            stacklevel=3,
+        )
 
 
 def _forward_order(action: Action) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 
 A checkpoint is spread over one file per stage; inference wants one model in one process. Export reads
 every layer of the newest complete checkpoint in DIR (no process group needed) and saves a ``state_dict``
-that loads into ``ShardedMLP(hidden, layers)``::
+that loads into the whole model (``ShardedMLP(hidden, layers)``, or for a GPT
+``gpt_sequential(GPTConfig(...))`` with the configuration the command prints)::
 
     model = ShardedMLP(hidden, layers)
     model.load_state_dict(torch.load("OUT.pt"))
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from pipeclock.app import checkpoint
+from pipeclock.models.registry import describe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +36,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.save(state, args.output)
     print(
-        f"exported {path} (step {run_info['step']}, ShardedMLP {run_info['layers']} x {run_info['hidden']}) "
-        f"to {args.output}: load it into ShardedMLP({run_info['hidden']}, {run_info['layers']})"
+        f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {args.output}: {_how(run_info)}"
     )
     return 0
+
+
+def _how(run_info: dict) -> str:
+    if run_info.get("model") == "GPT":
+        arguments = ", ".join(f"{key}={value!r}" for key, value in run_info["gpt"].items())
+        return f"load it into gpt_sequential(GPTConfig({arguments}))"
+    return f"load it into ShardedMLP({run_info['hidden']}, {run_info['layers']})"

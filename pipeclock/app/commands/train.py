@@ -21,13 +21,19 @@ from pathlib import Path
 
 from pipeclock import comms
 from pipeclock.app.checkpoint import CheckpointError
-from pipeclock.app.train import Progress, TrainConfig, schedule_table, train
+from pipeclock.app.tasks import LanguageTask
+from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.engine.generators import SCHEDULES
+from pipeclock.models.text import CorpusError
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
+    parser.add_argument(
+        "--model", default=defaults.model, choices=list(MODEL_DEFAULTS),
+        help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text (default: mlp)",
+    )  # fmt: skip
     parser.add_argument("--schedule", default=defaults.schedule, choices=list(SCHEDULES))
     parser.add_argument(
         "--microbatches", type=int, default=defaults.microbatches, help="micro-batches per step"
@@ -35,13 +41,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunks", type=int, default=None, help="model chunks per rank (default: 2 if interleaved)"
     )
-    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="width of every layer")
+    mlp, gpt = MODEL_DEFAULTS["mlp"], MODEL_DEFAULTS["gpt"]
+    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="the MLP's width")
     parser.add_argument(
-        "--layers", type=int, default=defaults.layers, help="Linear layers in the whole model"
+        "--layers", type=int,
+        help=f"the MLP's Linear layers (default {mlp['layers']}) or the GPT's blocks ({gpt['layers']})",
+    )  # fmt: skip
+    parser.add_argument("--dim", type=int, default=defaults.dim, help="the GPT's width")
+    parser.add_argument("--heads", type=int, default=defaults.heads, help="the GPT's attention heads")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="the GPT's tokens per sample")
+    parser.add_argument("--dropout", type=float, default=defaults.dropout, help="the GPT's dropout")
+    parser.add_argument(
+        "--data", metavar="PATH",
+        help="a text file or folder for the GPT (default: the Python standard library's own sources)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-every", type=int, default=defaults.eval_every, metavar="N",
+        help="the GPT's validation loss every N steps, and after the last (0: only after the last)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-batches", type=int, default=defaults.eval_batches, metavar="N",
+        help="held-out batches per validation",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-size", type=int,
+        help=f"samples per step (default {mlp['batch_size']} for mlp, {gpt['batch_size']} for gpt)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, help=f"training steps (default {mlp['steps']} for mlp, {gpt['steps']} for gpt)"
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate")
+    parser.add_argument(
+        "--lr", type=float, help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout, help="seconds any blocking call may wait"
@@ -68,10 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = TrainConfig.from_args(args)
     try:
+        config = TrainConfig.from_args(args)
         return _train_and_report(config, args)
-    except (ValueError, comms.CommError, CheckpointError) as error:
+    except (ValueError, comms.CommError, CheckpointError, CorpusError) as error:
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1
     finally:
@@ -86,7 +117,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
         if _restarts_share_a_store():
             print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
     progress = Progress(config.steps, enabled=boss)
-    result = train(config, on_step=progress)
+    result = train(config, on_step=progress, on_eval=progress.validation)
     progress.close()
     if not boss:
         return 0
@@ -97,6 +128,8 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
         print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
         return 0
     table = schedule_table(config, world)
+    if result.validation:
+        print("\n" + "\n".join(_validation_lines(result.validation, LanguageTask(config))))
     print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size)))
     if args.trace:
         path = write_trace(result.report, args.trace)
@@ -126,11 +159,30 @@ def _restarts_share_a_store() -> bool:
     return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -> list[str]:
+    """The validation curve, and the bigram byte model's figure on the same held-out bytes beside it."""
+    lines = [f"validation ({len(task.validation)} held-out batches): " + task.corpus.summary()]
+    lines += [
+        f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}"
+        for steps, loss in validation
+    ]
+    baseline = task.baseline_bits_per_byte()
+    final = float(task.readable(validation[-1][1]).split()[0])
+    lines.append(f"  bigram byte model (order 1, fitted on the training split): {baseline:.3f} bits/byte")
+    if final < baseline:
+        lines.append(f"  the GPT beats it by {baseline - final:.3f} bits/byte")
+    else:
+        lines.append(f"  the GPT is {final - baseline:.3f} bits/byte behind it: train longer")
+    return lines
+
+
 def _headline(config: TrainConfig, world: int) -> str:
     chunks = config.chunks_per_rank()
     per_mb = config.batch_size / config.microbatches
+    model = f"ShardedMLP {config.layers} x {config.hidden}"
+    if config.model == "gpt":
+        model = f"GPT {config.layers} blocks x {config.dim} ({config.heads} heads, seq {config.seq_len})"
     return (
         f"pipeclock train: {config.schedule}, {world} stage(s) x {chunks} chunk(s), {config.microbatches} "
-        f"micro-batches of ~{per_mb:g} samples, ShardedMLP {config.layers} x {config.hidden}, "
-        f"{config.steps} steps"
+        f"micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps"
     )

@@ -1,0 +1,57 @@
+"""``python -m pipeclock generate CKPT_DIR --prompt TEXT --tokens N``: text from a trained GPT.
+
+The model's configuration is read from the checkpoint itself (``pipeclock.json``); the whole model is
+loaded on one process, whatever the number of stages that trained it, and samples byte by byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeclock.app import checkpoint
+from pipeclock.models.registry import describe
+from pipeclock.models.sampling import sample
+from pipeclock.models.text import ByteTokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="a --checkpoint-dir of `train --model gpt`, or one step_NNNNNN")
+    parser.add_argument("--prompt", default="def ", help="the text to continue (default: %(default)r)")
+    parser.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: %(default)s)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0 takes the likeliest byte (default: %(default)s)"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+        path = checkpoint.resolve(args.directory)
+        model, run_info = checkpoint.load_model(path)
+        if run_info.get("model") != "GPT":
+            raise ValueError(f"{path} holds a {describe(run_info)}, not a GPT: nothing to generate text with")
+    except (ValueError, checkpoint.CheckpointError) as error:
+        print(f"pipeclock generate: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    tokenizer = ByteTokenizer()
+    prompt = tokenizer.encode(args.prompt)
+    ids = sample(
+        model, prompt, args.tokens, run_info["gpt"]["seq_len"], args.temperature, args.top_k, args.seed
+    )
+    print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
+    print(tokenizer.decode(ids), flush=True)
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not args.prompt:
+        raise ValueError("--prompt must hold at least one character")
+    if args.tokens < 0:
+        raise ValueError(f"--tokens must be >= 0, got {args.tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")

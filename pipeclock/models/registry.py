@@ -1,0 +1,39 @@
+"""The models a run trains, by the name a checkpoint records: the whole one, for export and generation.
+
+A checkpoint's ``pipeclock.json`` says which model it holds (``"model"``) and its size; from that alone a
+single process rebuilds the whole model, loads every stage's weights into it, and exports or samples.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipeclock.models.gpt import GPTConfig, gpt_sequential
+from pipeclock.models.mlp import ShardedMLP
+
+
+def full_model(run: dict) -> nn.Module:
+    """The whole model a checkpoint's run description names, freshly initialised (weights to be loaded)."""
+    if run.get("model") == "GPT":
+        return gpt_sequential(GPTConfig(**run["gpt"]))
+    return ShardedMLP(run["hidden"], run["layers"], seed=run.get("seed", 0))
+
+
+def describe(run: dict) -> str:
+    """``ShardedMLP 16 x 1024`` or ``GPT 4 blocks x 128 (4 heads, seq 128)``."""
+    if run.get("model") == "GPT":
+        gpt = run["gpt"]
+        return f"GPT {gpt['layers']} blocks x {gpt['dim']} ({gpt['heads']} heads, seq {gpt['seq_len']})"
+    return f"ShardedMLP {run['layers']} x {run['hidden']}"
+
+
+def same_model(saved: dict, wanted: dict) -> bool:
+    """Whether a checkpoint's model is the one a run asks for (size and kind; dropout may differ)."""
+    if saved.get("model", "ShardedMLP") != wanted.get("model"):
+        return False
+    if wanted.get("model") == "GPT":
+        ignore = {"dropout"}
+        return {k: v for k, v in saved["gpt"].items() if k not in ignore} == {
+            k: v for k, v in wanted["gpt"].items() if k not in ignore
+        }
+    return (saved["hidden"], saved["layers"]) == (wanted["hidden"], wanted["layers"])
