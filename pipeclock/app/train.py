@@ -38,7 +38,7 @@ from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, g
 # minutes on 2 cores.
 MODEL_DEFAULTS = {
     "mlp": {"layers": 16, "batch_size": 128, "steps": 60, "lr": 1e-3},
-    "gpt": {"layers": 4, "batch_size": 16, "steps": 300, "lr": 3e-3},
+    "gpt": {"layers": 4, "batch_size": 16, "steps": 600, "lr": 3e-3},
 }
 
 
