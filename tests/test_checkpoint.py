@@ -347,14 +347,14 @@ def _train_with_a_rank_that_dies(die_after: int, argv: list[str]) -> int:
     victim = first_attempt and os.environ.get("LOCAL_RANK") == "1"
     real_train = command.train
 
-    def train_that_dies(config, on_step=None):
+    def train_that_dies(config, on_step=None, **others):
         def step(index: int, loss: float) -> None:
             if on_step:
                 on_step(index, loss)
             if victim and index == die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        return real_train(config, on_step=step)
+        return real_train(config, on_step=step, **others)
 
     command.train = train_that_dies
     return cli.main(argv)
