@@ -26,6 +26,7 @@ from benchmarks import load, rss
 from benchmarks.plan import Case
 from benchmarks.probe import StageProbe, WaitClock
 from pipeclock import comms, schedule
+from pipeclock.engine.placement import Placement
 from pipeclock.model import ShardedMLP
 from pipeclock.observe.timeline import Span
 
@@ -113,9 +114,11 @@ class TorchEngine:
     def __init__(self, case: Case):
         rank, world = comms.get_rank(), comms.get_world_size()
         self.modules = stage_modules(case)
-        total = world * case.chunks
+        placement = Placement.named(case.placement, world, case.chunks)
         stages = [
-            pipelining.PipelineStage(module, chunk * world + rank, total, comms.device())
+            pipelining.PipelineStage(
+                module, placement.stage(rank, chunk), placement.num_virtual, comms.device()
+            )
             for chunk, module in enumerate(self.modules)
         ]
         self.probe = StageProbe(rank, stages)
@@ -153,7 +156,9 @@ class TorchEngine:
 def stage_modules(case: Case) -> list[nn.Module]:
     """This rank's chunks of the case's model: the same weights for every engine (same seed)."""
     rank, world = comms.get_rank(), comms.get_world_size()
-    return ShardedMLP.for_rank(case.hidden, case.layers, rank, world, case.chunks, seed=0)
+    return ShardedMLP.for_rank(
+        case.hidden, case.layers, rank, world, case.chunks, seed=0, placement=case.placement
+    )
 
 
 def build(case: Case, with_unmetered: bool = False) -> list:

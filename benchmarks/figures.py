@@ -24,7 +24,13 @@ from benchmarks.launch import ROOT
 from benchmarks.plan import SCHEDULES
 from benchmarks.results_model import Results, Run, Spread
 
-COLOURS = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved-1f1b": "tab:green", "zb-h1": "tab:red"}
+COLOURS = {
+    "gpipe": "tab:blue",
+    "1f1b": "tab:orange",
+    "interleaved-1f1b": "tab:green",
+    "zb-h1": "tab:red",
+    "zb-v": "tab:purple",
+}
 ENGINES = (("pipeclock", "pipeclock_s", "-", "o"), ("torch", "torch_s", "--", "s"))
 
 

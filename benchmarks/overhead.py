@@ -66,7 +66,7 @@ def bare_cpu_per_microbatch(case: Case, modules: list[torch.nn.Module], repeats:
 
 
 def actions_per_microbatch(case: Case) -> int:
-    return (3 if case.schedule == "zb-h1" else 2) * case.chunks
+    return (3 if case.schedule in ("zb-h1", "zb-v") else 2) * case.chunks
 
 
 def measure(case: Case) -> dict | None:

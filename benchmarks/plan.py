@@ -6,8 +6,9 @@ torch schedule of a case must be the one whose per-rank order of F, B (and W) eq
 - ``gpipe`` and ``ScheduleGPipe``, ``1f1b`` and ``Schedule1F1B`` (torch needs m >= p for 1F1B);
 - ``interleaved-1f1b`` (two chunks per rank) and ``ScheduleInterleaved1F1B`` on the same two chunks;
 - ``zb-h1`` and ``ScheduleInterleavedZeroBubble`` with *one* stage per rank: its order is then exactly
-  ZB-H1's (F, B, W per rank, W deferred by the rank's index). ``ScheduleZBVZeroBubble`` needs a V-shaped
-  placement of two chunks per rank that pipeclock does not have, so it would not run the same modules.
+  ZB-H1's (F, I, W per rank, W deferred by the rank's index);
+- ``zb-v`` and ``ScheduleZBVZeroBubble`` on the same two chunks per rank, placed in a V (its lists are
+  pipeclock's, action for action; ``tests/test_v_schedules.py`` checks it).
 
 The step counts are chosen so the full sweep ends in about ten minutes on two quiet cores; the cases the
 issue sets targets on (two ranks, hidden 1024, m in {4, 8}) get more steps, since their medians are
@@ -25,6 +26,7 @@ TORCH_SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",
     "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
 }
 BATCH = 256
 LAYERS = 16
@@ -44,7 +46,11 @@ class Case:
 
     @property
     def chunks(self) -> int:
-        return 2 if self.schedule == "interleaved-1f1b" else 1
+        return 2 if self.schedule in ("interleaved-1f1b", "zb-v") else 1
+
+    @property
+    def placement(self) -> str:
+        return "v" if self.schedule == "zb-v" else "loop"
 
     @property
     def torch_schedule(self) -> str | None:
@@ -121,6 +127,11 @@ def quick() -> Plan:
 def targets() -> Plan:
     """The issue's target cases only: two ranks, hidden 1024, m in {4, 8}, all four schedules."""
     return sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8))
+
+
+def v_schedules() -> Plan:
+    """ZB-V against ZB-H1 and 1F1B (and torch's ZB-V): two ranks, hidden 1024, m in {4, 8}."""
+    return sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8), schedules=("1f1b", "zb-h1", "zb-v"))
 
 
 def tiny() -> Plan:

@@ -319,11 +319,16 @@ def zero_bubble(results: Results) -> list[str]:
 
 def predicted_zb_ratio(p: int, m: int, zb: dict, one: dict) -> float:
     """The simulator's zb-h1 / 1f1b step ratio with each schedule's own measured mean F, B (and W)."""
-    zb_costs = zb["engines"]["pipeclock"]["compute_ms"]
+    zb_costs = _split_costs(zb["engines"]["pipeclock"]["compute_ms"])
     one_costs = one["engines"]["pipeclock"]["compute_ms"]
     zb_span = simulate(schedules.zero_bubble_h1(p, m), zb_costs).makespan
     one_span = simulate(schedules.one_f_one_b(p, m), {op: one_costs[op] for op in ("F", "B")}).makespan
     return zb_span / one_span
+
+
+def _split_costs(costs: dict[str, float]) -> dict[str, float]:
+    """A split schedule's measured costs; results saved before the I op existed name the I half B."""
+    return {("I" if op == "B" and "I" not in costs else op): cost for op, cost in costs.items()}
 
 
 def _textbook(p: int, m: int) -> float:

@@ -29,6 +29,7 @@ PLANS = {
     "quick": plan.quick,
     "targets": plan.targets,
     "tiny": plan.tiny,
+    "v": plan.v_schedules,
     "overhead": plan.nothing,
 }
 
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     which.add_argument(
         "--tiny", action="store_const", dest="plan", const="tiny", help="a smoke run of a few seconds"
+    )
+    which.add_argument(
+        "--v", action="store_const", dest="plan", const="v", help="zb-v against zb-h1, 1f1b and torch's ZB-V"
     )
     which.add_argument(
         "--overhead-only",

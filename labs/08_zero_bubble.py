@@ -1,11 +1,11 @@
 """Lab 8: zero bubble: split the backward in two and fill the cool-down.
 
-A stage's backward computes two different things. B, the gradient with respect to the stage's input,
-is what the previous stage is waiting for. W, the gradients of the stage's own weights, nobody needs
+A stage's backward (B) computes two different things. I, the gradient with respect to the stage's
+input, is what the previous stage is waiting for. W, the gradients of the stage's own weights, nobody needs
 until the optimizer step. 1F1B runs both at once, so in the cool-down the later ranks sit idle while
 the gradients travel back to rank 0. ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
-runs B at once and keeps each W for later: rank r postpones r of them into the tail that was idle. With
-F = B = W the bubble drops from (p-1)/(m+p-1) to (p-1)/(3m+p-1), and no rank has more micro-batches in
+runs I at once and keeps each W for later: rank r postpones r of them into the tail that was idle. With
+F = I = W the bubble drops from (p-1)/(m+p-1) to (p-1)/(3m+p-1), and no rank has more micro-batches in
 flight than rank 0 already had in 1F1B (p). Memory is still not free: a micro-batch waiting for its W
 keeps what W needs, each layer's input and the gradient of its output, which for an MLP is more than
 its forward left behind; the lab prints each rank's measured peak.
@@ -14,7 +14,7 @@ The arithmetic is not changed, only reordered: after one step from the same weig
 every parameter's gradient is the one 1F1B computes, to float rounding. The lab checks that too.
 
 The split costs little time: for a Linear layer, W is one matrix product accumulated into the weight's
-gradient, so B + W take about what 1F1B's single B takes (the op times show it). The smaller bubble
+gradient, so I + W take about what 1F1B's single B takes (the op times show it). The smaller bubble
 becomes a shorter step when the bubble is a large part of the step: few micro-batches per stage.
 
 Run it:  torchrun --nproc-per-node 2 labs/08_zero_bubble.py        (or: python -m pipeclock lab 8)
@@ -94,7 +94,7 @@ def comparison(reports: dict[str, RunReport], m: int) -> list[str]:
             "step time": f"{report.step_seconds * 1e3:.1f} ms",
             "bubble, measured": f"{report.bubble_share:.1%}",
             "bubble, formula": f"{bubble_formula(name, p, m):.1%} = {bubble_formula_text(name)}",
-            "op times (median)": ", ".join(f"{op} {costs[op] * 1e3:.1f}" for op in "FBW" if op in costs)
+            "op times (median)": ", ".join(f"{op} {costs[op] * 1e3:.1f}" for op in "FBIW" if op in costs)
             + " ms",
         }
         for rank in range(p):
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     gradients = gradient_difference(args)
     if rank == 0:
         print("\n".join(comparison(reports, args.microbatches)))
-        print("(1F1B's B does the work of ZB-H1's B and W together)\n")
+        print("(1F1B's B does the work of ZB-H1's I and W together)\n")
         draw(reports, args)
         lesson(reports, args.microbatches, gradients)
     comms.shutdown()

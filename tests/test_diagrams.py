@@ -23,7 +23,7 @@ def test_gpipe_p2_m2_in_ascii_shows_the_fill_the_drain_and_the_bubbles():
 
 def test_zb_h1_p2_m2_in_ascii_shows_the_last_rank_postponing_its_w():
     assert ascii_diagram(simulate(zero_bubble_h1(2, 2))) == (
-        "rank 0 |F0 F1 ...B0 W0 B1 W1 |\nrank 1 |...F0 B0 F1 B1 W0 W1 |"
+        "rank 0 |F0 F1 ...I0 W0 I1 W1 |\nrank 1 |...F0 I0 F1 I1 W0 W1 |"
     )
 
 

@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from pipeclock.engine.actions import is_split, parse_schedule, validate
 from pipeclock.engine.generators import (
     SCHEDULES,
+    V_SCHEDULES,
     bubble_formula,
     bubble_formula_text,
+    chunks_of,
     generate,
     get_schedule,
     gpipe,
@@ -31,7 +33,7 @@ properties = settings(max_examples=100, deadline=None)
 
 
 def chunks_for(name: str, chunks: int) -> int:
-    return chunks if supports_chunks(get_schedule(name)) else 1
+    return chunks_of(name) or (chunks if supports_chunks(get_schedule(name)) else 1)
 
 
 # Properties of every schedule, for every p <= 8, m <= 16, chunks <= 4.
@@ -44,7 +46,8 @@ def test_every_schedule_computes_each_stage_and_microbatch_exactly_once(name, p,
     chunks = chunks_for(name, chunks)
     schedule = generate(name, p, m, chunks)
     validate(schedule, p, m, chunks)
-    assert is_split(schedule) == (name == "zb-h1")
+    if name != "dualpipev":  # it mixes whole and split backwards (tests/test_v_schedules.py)
+        assert is_split(schedule) == (name in ("zb-h1", "zb-v"))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -61,9 +64,9 @@ def test_every_schedule_finishes_without_deadlock(name, p, m, chunks):
 def test_every_rank_runs_each_channel_in_microbatch_order(name, p, m, chunks):
     chunks = chunks_for(name, chunks)
     for actions in generate(name, p, m, chunks):
-        for op in "FBW":
+        for ops in ("F", "BI", "W"):  # a channel's backwards, whole or split, in one order
             for chunk in range(chunks):
-                order = [a.microbatch for a in actions if a.op == op and a.chunk == chunk]
+                order = [a.microbatch for a in actions if a.op in ops and a.chunk == chunk]
                 assert order == sorted(order)
 
 
@@ -102,6 +105,8 @@ def test_zb_h1_takes_3m_plus_p_minus_1_when_m_is_at_least_p(p, m):
 @given(p=stages, rounds=st.integers(1, 16), chunks=chunk_counts)
 def test_simulated_bubble_equals_the_formula_where_its_assumptions_hold(name, p, rounds, chunks):
     m = p * min(rounds, 16 // p)  # p divides m and m >= p
+    if name in V_SCHEDULES:
+        m = 2 * p * max(1, min(rounds, 16 // (2 * p)))  # a V reaches its steady state at m >= 2p
     chunks = chunks_for(name, chunks)
     timeline = simulate(generate(name, p, m, chunks))
     assert timeline.bubble_share == pytest.approx(bubble_formula(name, p, m, chunks))
@@ -170,12 +175,12 @@ def test_1f1b_with_fewer_microbatches_than_stages_is_gpipe_on_the_early_ranks():
     assert one_f_one_b(4, 2) == parse_schedule(["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"])
 
 
-def test_zb_h1_p3_m4_runs_w_of_j_after_b_of_j_plus_r():
+def test_zb_h1_p3_m4_runs_w_of_j_after_i_of_j_plus_r():
     assert zero_bubble_h1(3, 4) == parse_schedule(
         [
-            "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
-            "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
-            "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+            "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+            "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+            "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
         ]
     )
 
@@ -215,7 +220,7 @@ def test_zb_h1_p3_m4_has_a_third_of_the_1f1b_bubble():
 
 
 def test_schedules_are_known_by_their_command_line_names():
-    assert list(SCHEDULES) == ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    assert list(SCHEDULES) == ["naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"]
     assert get_schedule("1f1b") is one_f_one_b
 
 

@@ -56,7 +56,7 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
     expected = {
         "zero micro-batches": "ValueError: rank {r}: num_microbatches must be an integer in 1..65535, got 0",
         "unknown schedule": "ValueError: rank {r}: unknown schedule 'fastest'; known schedules: "
-        "naive, gpipe, 1f1b, interleaved-1f1b, zb-h1",
+        "naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipev",
         "chunks the schedule cannot use": "ValueError: rank {r}: schedule '1f1b' has one chunk per rank; "
         "cannot use chunks=2",
         "batch smaller than m": "ValueError: rank {r}: a batch of 6 samples cannot be split into 8 "
@@ -164,4 +164,4 @@ def test_a_split_backward_refuses_an_output_overwritten_in_place_and_says_why():
     outcome = run_ranks(_split_backward_with_inplace_relu, 1, timeout=20, linger=False)[0]
     kind, message = outcome.value
     assert kind == "StageError"
-    assert message.startswith("rank 0: B0 (virtual stage 0) failed: the output of Linear was modified")
+    assert message.startswith("rank 0: I0 (virtual stage 0) failed: the output of Linear was modified")

@@ -53,14 +53,14 @@ def two_rank_steps() -> list[dict]:
 
 def held_along(actions: list[str], forward_bytes: int, weight_bytes: int) -> int:
     """The peak of what a rank holds, walking its actions: F takes a micro-batch's forward bytes; a
-    whole B frees them; a split B swaps them for what W needs (each layer's input and output gradient),
+    whole B frees them; an I swaps them for what W needs (each layer's input and output gradient),
     which W then frees."""
-    split = any(a.startswith("W") for a in actions)
     live = peak = 0
     for action in actions:
         change = {
             "F": forward_bytes,
-            "B": weight_bytes - forward_bytes if split else -forward_bytes,
+            "B": -forward_bytes,
+            "I": weight_bytes - forward_bytes,
             "W": -weight_bytes,
         }[action[0]]
         live += change

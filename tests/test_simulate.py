@@ -48,24 +48,24 @@ def test_a_deadlock_names_every_stuck_rank_and_what_it_waits_for():
     with pytest.raises(DeadlockError) as caught:
         simulate(crossed)
     message = str(caught.value)
-    assert "rank 0: stuck at B0 (action 1), waiting for B0 on rank 1" in message
+    assert "rank 0: stuck at B0 (action 1), waiting for B0 (or I0) on rank 1" in message
     assert "rank 1: stuck at F1 (action 0), waiting for F1 on rank 0" in message
 
 
 def test_a_deadlock_report_lists_every_missing_input():
     backward_first = parse_schedule(["B0 F0", "F0 B0"])
     with pytest.raises(
-        DeadlockError, match=r"rank 0: stuck at B0.*waiting for F0 on rank 0 and B0 on rank 1"
+        DeadlockError, match=r"rank 0: stuck at B0.*waiting for F0 on rank 0 and B0 \(or I0\) on rank 1"
     ):
         simulate(backward_first)
 
 
 def test_a_deadlock_report_marks_finished_ranks():
-    weight_before_backward = parse_schedule(["F0 W0 B0", "F0 B0 W0"])
+    weight_before_backward = parse_schedule(["F0 W0 I0", "F0 I0 W0"])
     with pytest.raises(DeadlockError) as caught:
         simulate(weight_before_backward)
     assert str(caught.value).splitlines()[1:] == [
-        "  rank 0: stuck at W0 (action 1), waiting for B0 on rank 0",
+        "  rank 0: stuck at W0 (action 1), waiting for I0 on rank 0",
         "  rank 1: finished",
     ]
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from pipeclock.engine.generators import SCHEDULES, bubble_formula, bubble_formula_text, generate, get_schedule
+from pipeclock.engine.generators import (
+    SCHEDULES,
+    bubble_formula,
+    bubble_formula_text,
+    chunks_of,
+    generate,
+    get_schedule,
+)
 from pipeclock.engine.generators import supports_chunks as _interleaves
 from pipeclock.observe.report import messages_per_rank
 from pipeclock.observe.simulate import default_costs, simulate
@@ -37,15 +44,15 @@ def _listed(values) -> str:
 
 
 def _simulated(name: str, p: int, m: int, v: int):
-    """The schedule and its simulated step with the textbook costs (F = 1, B = 2, or F = B = W = 1 when
-    the backward is split); a chunk costs 1/v of a stage, as in ``pipeclock schedule``."""
+    """The schedule and its simulated step with the textbook costs (F = 1, B = 2, and I = W = 1 for a
+    split backward); a chunk costs 1/v of a stage, as in ``pipeclock schedule``."""
     schedule = generate(name, p, m, v)
     costs = {op: cost / v for op, cost in default_costs(schedule).items()}
     return schedule, simulate(schedule, costs)
 
 
 def _chunks_for(name: str, v: int) -> int:
-    return v if _interleaves(get_schedule(name)) else 1
+    return chunks_of(name) or (v if _interleaves(get_schedule(name)) else 1)
 
 
 def tradeoffs_table(p: int, m: int, v: int) -> list[str]:
@@ -58,7 +65,9 @@ def tradeoffs_table(p: int, m: int, v: int) -> list[str]:
     for name in SCHEDULES:
         chunks = _chunks_for(name, v)
         schedule, timeline = _simulated(name, p, m, chunks)
-        label = f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
+        label = (
+            f"`{name}` (V)" if chunks_of(name) else f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
+        )
         formula = f"{_percent(bubble_formula(name, p, m, chunks))} = {bubble_formula_text(name)}"
         cells = [
             label,
@@ -78,7 +87,9 @@ def bubble_by_m_table(p: int, v: int, ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     lines = ["| schedule | " + " | ".join(f"m={m}" for m in ms) + " |", "| --- |" + " --- |" * len(ms)]
     for name in SCHEDULES:
         chunks = _chunks_for(name, v)
-        label = f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
+        label = (
+            f"`{name}` (V)" if chunks_of(name) else f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
+        )
         cells = [_percent(_simulated(name, p, m, chunks)[1].bubble_share) for m in ms]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines

@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeclock.app.data import SyntheticRegression
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.placement import Placement
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.text import TextCorpus, bigram_bits_per_byte, bits_per_byte
@@ -31,9 +32,11 @@ class RegressionTask:
         self.config = config
         self.data = SyntheticRegression(config.hidden, seed=config.seed)
 
-    def build(self, rank: int, world: int, chunks: int) -> list[nn.Module]:
+    def build(self, rank: int, world: int, placement: Placement) -> list[nn.Module]:
         c = self.config
-        return ShardedMLP.for_rank(c.hidden, c.layers, rank, world, chunks, c.seed)
+        return ShardedMLP.for_rank(
+            c.hidden, c.layers, rank, world, len(placement.stages[rank]), c.seed, placement
+        )
 
     def batch(self, step: int, size: int):
         return self.data.batch(step, size)
@@ -66,8 +69,8 @@ class LanguageTask:
             config.batch_size, config.seq_len, max(1, config.eval_batches)
         )
 
-    def build(self, rank: int, world: int, chunks: int) -> list[nn.Module]:
-        return GPT.for_rank(self.gpt, rank, world, chunks)
+    def build(self, rank: int, world: int, placement: Placement) -> list[nn.Module]:
+        return GPT.for_rank(self.gpt, rank, world, len(placement.stages[rank]), placement)
 
     def batch(self, step: int, size: int):
         return self.corpus.batch(step, size, self.config.seq_len, seed=self.config.seed)

@@ -20,13 +20,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint
 from pipeclock.app.tasks import make_task
-from pipeclock.engine.generators import generate, get_schedule, supports_chunks
+from pipeclock.engine.actions import Schedule, num_chunks, placement_of
+from pipeclock.engine.csv_schedule import load_csv
+from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.models.registry import describe, same_model
 from pipeclock.models.text import bits_per_byte
@@ -46,7 +49,8 @@ MODEL_DEFAULTS = {
 class TrainConfig:
     model: str = "mlp"  # "mlp" or "gpt"
     schedule: str = "1f1b"
-    microbatches: int = 8
+    schedule_csv: str | None = None  # a schedule from a file (torch's CSV): it replaces ``schedule``
+    microbatches: int | None = None  # None: 8, or the schedule file's
     chunks: int | None = None  # None: 2 for interleaving schedules, else 1
     hidden: int = 1024  # the MLP's width
     layers: int | None = None  # the MLP's Linear layers, or the GPT's blocks
@@ -73,6 +77,16 @@ class TrainConfig:
         for name, value in MODEL_DEFAULTS[self.model].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        self._table = None
+        if self.schedule_csv:
+            self._table = load_csv(self.schedule_csv)
+            found = 1 + max(a.microbatch for row in self._table for a in row)
+            if self.microbatches not in (None, found):
+                raise ValueError(
+                    f"{self.schedule_csv} has {found} micro-batches, not --microbatches {self.microbatches}"
+                )
+            self.microbatches, self.schedule = found, Path(self.schedule_csv).name
+        self.microbatches = 8 if self.microbatches is None else self.microbatches
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -84,9 +98,22 @@ class TrainConfig:
         return cls(**{**given, **overrides})
 
     def chunks_per_rank(self) -> int:
+        if self._table is not None:
+            return num_chunks(self._table)
         if self.chunks is not None:
             return self.chunks
-        return 2 if supports_chunks(get_schedule(self.schedule)) else 1
+        return chunks_of(self.schedule) or (2 if supports_chunks(get_schedule(self.schedule)) else 1)
+
+    def table(self, world: int) -> Schedule:
+        """Every rank's actions, with their placement: the file's, or the named schedule's."""
+        if self._table is not None:
+            if len(self._table) != world:
+                raise ValueError(
+                    f"{self.schedule_csv} is a schedule for {len(self._table)} ranks, not {world}"
+                )
+            return self._table
+        table = generate(self.schedule, world, self.microbatches, self.chunks_per_rank())
+        return table if isinstance(table, Schedule) else Schedule(table, placement_of(table))
 
 
 @dataclass
@@ -106,9 +133,13 @@ class TrainResult:
 
 
 def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[torch.nn.Module]:
-    """This rank's chunks of the model, on its device; nothing of the other ranks' layers is allocated."""
+    """This rank's chunks of the model, on its device; nothing of the other ranks' layers is allocated.
+
+    Which virtual stages they are is the schedule's placement (the loop, a V, or a file's).
+    """
     task = task or make_task(config)
-    return [part.to(comms.device()) for part in task.build(rank, world, config.chunks_per_rank())]
+    placement = config.table(world).placement
+    return [part.to(comms.device()) for part in task.build(rank, world, placement)]
 
 
 def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
@@ -131,7 +162,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     task = make_task(config)
     modules = build_stage(config, rank, world, task)
     pipe = Pipeline(
-        modules, config.schedule, config.microbatches, task.loss_fn, measure_memory=config.measure_memory
+        modules, config.table(world), config.microbatches, task.loss_fn, measure_memory=config.measure_memory
     )
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
@@ -231,9 +262,9 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def schedule_table(config: TrainConfig, world: int):
+def schedule_table(config: TrainConfig, world: int) -> Schedule:
     """The whole pipeline's action lists (for the predicted timeline)."""
-    return generate(config.schedule, world, config.microbatches, config.chunks_per_rank())
+    return config.table(world)
 
 
 class Progress:

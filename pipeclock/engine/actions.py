@@ -1,43 +1,53 @@
 """The Action IR: what a rank computes, and what each computation waits for.
 
-A schedule is, for each rank, an ordered list of `Action`s. Everything else is derived from those lists
-and from the three dependency rules below, which live here once so that the simulator (a predicted
-timeline) and the orchestrator (a real run) cannot disagree about them:
+A schedule is, for each rank, an ordered list of `Action`s, and a placement (``pipeclock.engine
+.placement``): which rank runs which virtual stage. Everything else is derived from those and from the
+dependency rules below, which live here once so that the simulator (a predicted timeline) and the
+orchestrator (a real run) cannot disagree about them:
 
 - ``F`` of virtual stage s needs the activation from ``F`` of stage s - 1 (none for stage 0);
-- ``B`` of stage s needs the gradient from ``B`` of stage s + 1 (the loss for the last stage) and its own
-  stage's ``F``;
-- ``W`` of stage s needs its own stage's ``B``.
+- the backward of stage s, ``B`` (input and weight gradients at once) or ``I`` (the input gradient
+  only), needs its own stage's ``F`` and the gradient from the backward (``B`` or ``I``) of stage s + 1
+  (the loss, for the last stage);
+- ``W`` (the weight gradient) of stage s needs its own stage's ``I``.
 
-Rank r's local chunk c is virtual stage ``c * num_stages + r``: chunks are dealt round-robin, so with
-several chunks per rank an activation travels rank 0, 1, ..., p-1, 0, 1, ... (Megatron's interleaving).
+Each (stage, micro-batch) has one ``F`` and either one ``B``, or one ``I`` and one ``W``; a schedule may
+mix the two kinds (DualPipeV does).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-Op = Literal["F", "B", "W"]
-OPS: tuple[str, ...] = ("F", "B", "W")
-Schedule = list[list["Action"]]
+from pipeclock.engine.placement import Placement
 
-_ACTION_TEXT = re.compile(r"^([FBW])(\d+)(?:\.(\d+))?$")
+Op = Literal["F", "B", "I", "W"]
+OPS: tuple[str, ...] = ("F", "B", "I", "W")
+BACKWARDS: tuple[str, ...] = ("B", "I")
+
+_ACTION_TEXT = re.compile(r"^([FBIW])(\d+)(?:\.(\d+))?$")
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
     """One compute step of one rank: ``op`` on ``microbatch`` through the rank's local ``chunk``.
 
-    ``op`` is ``"F"`` (forward), ``"B"`` (backward; in split schedules only the input-gradient half) or
-    ``"W"`` (weight gradient, split schedules only).
+    ``op`` is ``"F"`` (forward), ``"B"`` (the whole backward), ``"I"`` (the backward's input-gradient
+    half) or ``"W"`` (the weight-gradient half, after an ``I``). ``chunk`` is the rank's local chunk:
+    the placement says which virtual stage it is.
+
+    ``overlap`` marks an ``F`` that forms an overlapped pair with the rank's next action, a backward
+    (DualPipe's F&B): the pair starts when both have their inputs. A CPU runs the two one after the
+    other; the mark is part of the schedule, not of the action's identity (equality ignores it).
     """
 
     op: Op
     microbatch: int
     chunk: int = 0
+    overlap: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -54,91 +64,123 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """The inverse of ``str``: ``"F3"`` -> ``Action("F", 3)``, ``"B2.1"`` -> ``Action("B", 2, 1)``."""
+        """The inverse of ``str``: ``"F3"`` -> ``Action("F", 3)``, ``"I2.1"`` -> ``Action("I", 2, 1)``."""
         match = _ACTION_TEXT.match(text.strip())
         if not match:
-            raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3, W3 or F3.1)")
+            raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3, I3, W3 or F3.1)")
         op, microbatch, chunk = match.groups()
         return cls(op, int(microbatch), int(chunk or 0))  # type: ignore[arg-type]
 
 
-def parse_schedule(rows: list[str]) -> Schedule:
+class Schedule(list):
+    """Every rank's actions (``schedule[r]``), and the ``placement`` of the virtual stages on the ranks.
+
+    A plain list of lists is a schedule too: its placement is the loop (``placement_of``).
+    """
+
+    def __init__(self, rows=(), placement: Placement | None = None):
+        super().__init__(rows)
+        self.placement = placement
+
+
+def placement_of(schedule: list[list[Action]]) -> Placement:
+    """The schedule's own placement, or the loop placement for its ranks and chunks."""
+    placement = getattr(schedule, "placement", None)
+    return placement or Placement.loop(len(schedule), num_chunks(schedule))
+
+
+def parse_schedule(rows: list[str], placement: Placement | None = None) -> Schedule:
     """Build a schedule from one whitespace-separated row of actions per rank (handy in tests and docs)."""
-    return [[Action.parse(word) for word in row.split()] for row in rows]
+    return Schedule([[Action.parse(word) for word in row.split()] for row in rows], placement)
 
 
-def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
-    """The pipeline position of rank ``rank``'s local ``chunk``."""
-    return chunk * num_stages + rank
-
-
-def owner(stage: int, num_stages: int) -> tuple[int, int]:
-    """The (rank, local chunk) that runs virtual stage ``stage``."""
-    return stage % num_stages, stage // num_stages
-
-
-def num_chunks(schedule: Schedule) -> int:
-    """How many model chunks each rank holds in ``schedule`` (1 unless it interleaves)."""
+def num_chunks(schedule: list[list[Action]]) -> int:
+    """How many model chunks each rank holds in ``schedule`` (1 unless it interleaves or is a V)."""
+    placement = getattr(schedule, "placement", None)
+    if placement is not None:
+        return placement.chunks
     return 1 + max((a.chunk for actions in schedule for a in actions), default=0)
 
 
-def is_split(schedule: Schedule) -> bool:
-    """True when backward is split into B (input gradient) and W (weight gradient)."""
+def is_split(schedule: list[list[Action]]) -> bool:
+    """True when some backward is split into I (input gradient) and W (weight gradient)."""
     return any(a.op == "W" for actions in schedule for a in actions)
 
 
-def dependencies(action: Action, rank: int, num_stages: int, num_virtual: int) -> list[tuple[int, Action]]:
-    """The (rank, action) pairs that must finish before ``action`` on ``rank`` can start.
+def gradient_ready(microbatch: int, chunk: int) -> Action:
+    """The event "the gradient of this chunk's input exists": what a ``B`` or an ``I`` produces."""
+    return Action("B", microbatch, chunk)
 
-    ``num_virtual`` is the number of virtual stages (chunks x ranks). This is the single statement of the
-    data flow; the order of a rank's own list adds the remaining (program-order) constraints.
+
+def produces(action: Action) -> tuple[Action, ...]:
+    """The events ``action`` completes: itself, and for an ``I`` also the gradient a ``B`` would give."""
+    if action.op == "I":
+        return action, gradient_ready(action.microbatch, action.chunk)
+    return (action,)
+
+
+def dependencies(action: Action, rank: int, placement: Placement) -> list[tuple[int, Action]]:
+    """The (rank, event) pairs that must have happened before ``action`` on ``rank`` can start.
+
+    Events are what ``produces`` lists. This is the single statement of the data flow; the order of a
+    rank's own list adds the remaining (program-order) constraints.
     """
-    stage = virtual_stage(rank, action.chunk, num_stages)
+    stage = placement.stage(rank, action.chunk)
     needs: list[tuple[int, Action]] = []
     if action.op == "F" and stage > 0:
-        needs.append(_at(stage - 1, "F", action.microbatch, num_stages))
-    elif action.op == "B":
+        before, chunk = placement.owner(stage - 1)
+        needs.append((before, Action("F", action.microbatch, chunk)))
+    elif action.op in BACKWARDS:
         needs.append((rank, Action("F", action.microbatch, action.chunk)))
-        if stage < num_virtual - 1:
-            needs.append(_at(stage + 1, "B", action.microbatch, num_stages))
+        if stage < placement.num_virtual - 1:
+            after, chunk = placement.owner(stage + 1)
+            needs.append((after, gradient_ready(action.microbatch, chunk)))
     elif action.op == "W":
-        needs.append((rank, Action("B", action.microbatch, action.chunk)))
+        needs.append((rank, Action("I", action.microbatch, action.chunk)))
     return needs
 
 
-def _at(stage: int, op: Op, microbatch: int, num_stages: int) -> tuple[int, Action]:
-    rank, chunk = owner(stage, num_stages)
-    return rank, Action(op, microbatch, chunk)
-
-
-def validate(schedule: Schedule, num_stages: int, num_microbatches: int, chunks: int = 1) -> None:
+def validate(
+    schedule: list[list[Action]], num_stages: int, num_microbatches: int, chunks: int | None = None
+) -> None:
     """Raise ``ValueError`` unless ``schedule`` computes each (virtual stage, micro-batch) exactly once.
 
-    Exactly one F and one B for every micro-batch on every virtual stage, and one W as well when the
-    schedule is split; no action outside the ranges. Deadlock freedom is the simulator's job.
+    On every rank and chunk: one F per micro-batch, and either one B, or one I and one W; no action
+    outside the ranges. Deadlock freedom is the simulator's job.
     """
     if len(schedule) != num_stages:
         raise ValueError(f"schedule has {len(schedule)} ranks, expected {num_stages}")
-    split = is_split(schedule)
-    expected_ops = OPS if split else ("F", "B")
+    placement = placement_of(schedule)
+    if chunks is not None and getattr(schedule, "placement", None) is None and num_chunks(schedule) > chunks:
+        raise ValueError(f"schedule uses {num_chunks(schedule)} chunks per rank, expected {chunks}")
     for rank, actions in enumerate(schedule):
-        counts = Counter(actions)
-        problems = [f"{a} appears {n} times" for a, n in counts.items() if n > 1]
-        problems += [
-            f"{a} is out of range"
-            for a in counts
-            if a.microbatch >= num_microbatches or a.chunk >= chunks or a.op not in expected_ops
-        ]
-        missing = [
-            Action(op, mb, c)  # type: ignore[arg-type]
-            for c in range(chunks)
-            for mb in range(num_microbatches)
-            for op in expected_ops
-            if Action(op, mb, c) not in counts  # type: ignore[arg-type]
-        ]
-        if missing:
-            problems.append(
-                "missing " + " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-            )
+        problems = _problems(actions, len(placement.stages[rank]), num_microbatches)
         if problems:
             raise ValueError(f"invalid schedule on rank {rank}: " + "; ".join(problems))
+
+
+def _problems(actions: list[Action], chunks: int, num_microbatches: int) -> list[str]:
+    counts = Counter(actions)
+    problems = [f"{a} appears {n} times" for a, n in counts.items() if n > 1]
+    problems += [
+        f"{a} is out of range" for a in counts if a.microbatch >= num_microbatches or a.chunk >= chunks
+    ]
+    missing = []
+    for chunk in range(chunks):
+        for mb in range(num_microbatches):
+            has = {op: Action(op, mb, chunk) in counts for op in OPS}  # type: ignore[arg-type]
+            if not has["F"]:
+                missing.append(Action("F", mb, chunk))
+            if has["B"] and has["I"]:
+                problems.append(f"{Action('B', mb, chunk)} and {Action('I', mb, chunk)} both appear")
+            elif not (has["B"] or has["I"]):
+                missing.append(Action("B", mb, chunk))
+            if has["I"] and not has["W"]:
+                missing.append(Action("W", mb, chunk))
+            if has["W"] and not has["I"]:
+                problems.append(
+                    f"{Action('W', mb, chunk)} has no I before it (a B computes the weights itself)"
+                )
+    if missing:
+        problems.append("missing " + " ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else ""))
+    return problems

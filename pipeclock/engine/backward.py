@@ -117,7 +117,7 @@ def backward_input(
     if changed is not None:
         raise RuntimeError(
             f"the output of {type(changed.module).__name__} was modified in place after the forward; "
-            "a split backward (B, W) cannot recover its gradient (avoid inplace=True right after it)"
+            "a split backward (I, W) cannot recover its gradient (avoid inplace=True right after it)"
         )
     targets = inputs + [item.output for item in captured]
     if not targets or not roots:

@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Callable
 
 from pipeclock.engine.actions import Action, Schedule
+from pipeclock.engine.v_schedules import dualpipev, zb_v
 
 
 def naive(p: int, m: int) -> Schedule:
@@ -97,20 +98,21 @@ def interleaved_1f1b(p: int, m: int, chunks: int) -> Schedule:
 def zero_bubble_h1(p: int, m: int) -> Schedule:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with the backward split.
 
-    B computes only the gradient with respect to the stage's input, which the upstream rank is waiting
+    I computes only the gradient with respect to the stage's input, which the upstream rank is waiting
     for; W computes the weight gradients, which nobody waits for. Rank r keeps 1F1B's order of F's and
-    B's and runs W(j) right after B(j + r): the later ranks, which in 1F1B sit idle at the end while
-    the gradients travel back to rank 0, postpone r weight-gradient steps into that idle tail. The last
-    W's (those with j + r > m - 1) close the list. With F = B = W the step takes 3m + p - 1 instead of
-    1F1B's 3(m + p - 1) when m >= p: a third of 1F1B's bubble.
+    backwards (as I's) and runs W(j) right after I(j + r): the later ranks, which in 1F1B sit idle at
+    the end while the gradients travel back to rank 0, postpone r weight-gradient steps into that idle
+    tail. The last W's (those with j + r > m - 1) close the list. With F = I = W the step takes
+    3m + p - 1 instead of 1F1B's 3(m + p - 1) when m >= p: a third of 1F1B's bubble.
 
     Memory: a micro-batch's activations stay live from the start of its F until its W finishes. Rank r
-    has at most min(m, p - r) micro-batches between F and B (as in 1F1B) plus at most r between B and
+    has at most min(m, p - r) micro-batches between F and I (as in 1F1B) plus at most r between I and
     W, so no rank ever holds more than p: the same peak as 1F1B's rank 0, which is what sets the
     memory a pipeline must be sized for.
     """
     _check_sizes(p, m)
-    return [_defer_weight_gradients(row, delay=rank, m=m) for rank, row in enumerate(one_f_one_b(p, m))]
+    rows = [[Action("I", a.microbatch) if a.op == "B" else a for a in row] for row in one_f_one_b(p, m)]
+    return [_defer_weight_gradients(row, delay=rank, m=m) for rank, row in enumerate(rows)]
 
 
 def _one_forward_one_backward(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
@@ -123,11 +125,11 @@ def _one_forward_one_backward(forwards: list[Action], backwards: list[Action], w
 
 
 def _defer_weight_gradients(row: list[Action], delay: int, m: int) -> list[Action]:
-    """Insert W(j) right after B(j + delay); the W's that no B follows go last, in order."""
+    """Insert W(j) right after I(j + delay); the W's that no I follows go last, in order."""
     order: list[Action] = []
     for action in row:
         order.append(action)
-        if action.op == "B" and action.microbatch >= delay:
+        if action.op == "I" and action.microbatch >= delay:
             order.append(Action("W", action.microbatch - delay))
     return order + [Action("W", mb) for mb in range(max(0, m - delay), m)]
 
@@ -146,7 +148,11 @@ SCHEDULES: dict[str, Generator] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zero_bubble_h1,
+    "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
+# The schedules whose placement is a V: rank r holds stages r and 2p - 1 - r, two chunks per rank.
+V_SCHEDULES = ("zb-v", "dualpipev")
 
 _BUBBLE_FORMULAS: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
     "naive": ("(p-1)/p", lambda p, m, v: (p - 1) / p),
@@ -154,6 +160,8 @@ _BUBBLE_FORMULAS: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
     "1f1b": ("(p-1)/(m+p-1)", lambda p, m, v: (p - 1) / (m + p - 1)),
     "interleaved-1f1b": ("(p-1)/(v*m+p-1)", lambda p, m, v: (p - 1) / (v * m + p - 1)),
     "zb-h1": ("(p-1)/(3m+p-1)", lambda p, m, v: (p - 1) / (3 * m + p - 1)),
+    "zb-v": ("(p-1)/(6m+p-1)", lambda p, m, v: (p - 1) / (6 * m + p - 1)),
+    "dualpipev": ("(p-1)/(3m+p-1)", lambda p, m, v: (p - 1) / (3 * m + p - 1)),
 }
 
 
@@ -170,10 +178,19 @@ def supports_chunks(generator: Generator) -> bool:
     return "chunks" in inspect.signature(generator).parameters
 
 
+def chunks_of(name: str) -> int | None:
+    """The chunks per rank a schedule fixes (2 on a V), or None when the user chooses (interleaving)."""
+    return 2 if name in V_SCHEDULES else None
+
+
 def generate(name_or_generator: str | Generator, p: int, m: int, chunks: int = 1) -> Schedule:
     """Call any generator the same way; ``chunks`` > 1 is an error for a one-chunk schedule."""
     generator = get_schedule(name_or_generator) if isinstance(name_or_generator, str) else name_or_generator
     _check_sizes(p, m, chunks)
+    if generator in (zb_v, dualpipev):
+        if chunks != 2:
+            raise ValueError(f"schedule {_name_of(generator)!r} is a V: two chunks per rank, not {chunks}")
+        return generator(p, m)
     if supports_chunks(generator):
         return generator(p, m, chunks=chunks)
     if chunks > 1:

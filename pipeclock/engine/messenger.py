@@ -3,8 +3,10 @@
 Nobody writes messages per schedule. The data flow of ``pipeclock.engine.actions`` fixes them:
 
 - after ``F`` of virtual stage s, its output goes to the owner of stage s + 1;
-- after ``B`` of stage s, the gradient of its input goes to the owner of stage s - 1;
-- so ``F`` of stage s receives an activation, and ``B`` of stage s a gradient (unless s is an end).
+- after ``B`` (or ``I``) of stage s, the gradient of its input goes to the owner of stage s - 1;
+- so ``F`` of stage s receives an activation, and its backward a gradient (unless s is an end).
+
+Who owns a stage is the schedule's placement: a loop, a V, or whatever a CSV file says.
 
 An activation is a pytree (``pipeclock.engine.pytree``): one tensor, or a tuple, list or dict of them.
 Each leaf is one message with its own tag (kind, leaf, stage, micro-batch), so on gloo arrival order does
@@ -27,7 +29,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.engine import pytree
-from pipeclock.engine.actions import owner
+from pipeclock.engine.placement import Placement
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 _KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "structure header"}
@@ -52,10 +54,10 @@ class _Incoming:
 class Messenger:
     """This rank's messages for one pipeline: sends in flight, receives posted, layouts learned."""
 
-    def __init__(self, rank: int, num_stages: int, num_virtual: int):
-        if num_virtual > MAX_STAGES:
-            raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {num_virtual}")
-        self.rank, self.num_stages, self.num_virtual = rank, num_stages, num_virtual
+    def __init__(self, rank: int, placement: Placement):
+        if placement.num_virtual > MAX_STAGES:
+            raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {placement.num_virtual}")
+        self.rank, self.placement = rank, placement
         self._layouts: dict[tuple[int, int], pytree.Layout] = {}
         self._announced: set[tuple[int, int]] = set()
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
@@ -65,7 +67,7 @@ class Messenger:
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
 
     def _rank_of(self, stage: int) -> int:
-        return owner(stage, self.num_stages)[0]
+        return self.placement.owner(stage)[0]
 
     # --- sending ---------------------------------------------------------------------------------------
 

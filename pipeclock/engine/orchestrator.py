@@ -30,7 +30,7 @@ from torch import nn
 
 from pipeclock import comms
 from pipeclock.engine import pytree, rng
-from pipeclock.engine.actions import Action, is_split, owner, validate, virtual_stage
+from pipeclock.engine.actions import Action, Schedule, placement_of, validate
 from pipeclock.engine.backward import (
     ParameterOutputs,
     backward_input,
@@ -89,8 +89,8 @@ class Pipeline:
     def __init__(
         self,
         stage_or_chunks: nn.Module | Sequence[nn.Module],
-        schedule: str | Generator = "1f1b",
-        num_microbatches: int = 8,
+        schedule: str | Generator | Schedule = "1f1b",
+        num_microbatches: int | None = None,
         loss_fn: LossFn = F.mse_loss,
         *,
         measure_memory: bool = True,
@@ -98,17 +98,21 @@ class Pipeline:
         self.rank, self.num_stages = comms.get_rank(), comms.get_world_size()
         self.chunks = _as_chunks(stage_or_chunks)
         self.schedule_name = (
-            schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "custom")
+            schedule
+            if isinstance(schedule, str)
+            else getattr(schedule, "__name__", "csv" if isinstance(schedule, list) else "custom")
         )
-        self.num_microbatches = num_microbatches
+        self.table = self._build_schedule(schedule, num_microbatches)  # every rank's actions
+        self.num_microbatches = 1 + max(a.microbatch for row in self.table for a in row)
+        self._fingerprint = zlib.crc32(repr((self.table, self.placement.stages)).encode())
         self.loss_fn = loss_fn
-        self.table = self._build_schedule(schedule)  # every rank's actions
         self.actions = self.table[self.rank]
         # evaluation: every forward in (micro-batch, stage) order, an order every rank agrees on
-        self.forward_actions = sorted((a for a in self.actions if a.op == "F"), key=_forward_order)
-        self.split = is_split(self.table)  # backward split into B and W
-        self.num_virtual = self.num_stages * len(self.chunks)
-        self.messenger = Messenger(self.rank, self.num_stages, self.num_virtual)
+        self.forward_actions = sorted((a for a in self.actions if a.op == "F"), key=self._forward_order)
+        self.num_virtual = self.placement.num_virtual
+        self.first_rank = self.placement.owner(0)[0]
+        self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
+        self.messenger = Messenger(self.rank, self.placement)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
         self.parameter_outputs = ParameterOutputs(self.chunks)
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
@@ -118,22 +122,52 @@ class Pipeline:
         self.steps_done = 0  # keys dropout masks by step; set it when resuming a run
         self.last: StepRecord | None = None
 
-    def _build_schedule(self, schedule: str | Generator) -> list[list[Action]]:
-        """Every rank's actions; every check here sees the same inputs on every rank, so all raise alike."""
-        m = self.num_microbatches
+    def _build_schedule(self, schedule, m: int | None) -> list[list[Action]]:
+        """Every rank's actions; every check here sees the same inputs on every rank, so all raise alike.
+
+        A ready table (a ``Schedule``, e.g. from ``load_csv``) brings its own micro-batch count: ``m``, if
+        given, must agree with it.
+        """
+        if isinstance(schedule, list):
+            table_m = 1 + max((a.microbatch for row in schedule for a in row), default=-1)
+            if m is not None and m != table_m:
+                raise ValueError(f"rank {self.rank}: the schedule has {table_m} micro-batches, not {m}")
+            m = table_m
+        m = 8 if m is None else m
         if not isinstance(m, int) or not 1 <= m < MAX_MICROBATCHES:
             limit = MAX_MICROBATCHES - 1
             raise ValueError(
                 f"rank {self.rank}: num_microbatches must be an integer in 1..{limit}, got {m!r}"
             )
         try:
-            table = generate(schedule, self.num_stages, m, len(self.chunks))
+            table = (
+                schedule
+                if isinstance(schedule, list)
+                else generate(schedule, self.num_stages, m, len(self.chunks))
+            )
+            self.placement = placement_of(table)
+            self._check_placement(table)
             validate(table, self.num_stages, m, len(self.chunks))
         except ValueError as error:
             raise ValueError(f"rank {self.rank}: {error}") from None
         if not isinstance(schedule, str):
-            simulate(table)  # a custom generator's schedule must be able to finish: DeadlockError if not
+            simulate(table)  # a custom schedule must be able to finish: DeadlockError if not
         return table
+
+    def _check_placement(self, table: list[list[Action]]) -> None:
+        held = len(self.placement.stages[self.rank]) if self.rank < self.placement.num_ranks else 0
+        if self.placement.num_ranks != self.num_stages:
+            raise ValueError(f"the schedule is for {self.placement.num_ranks} ranks, not {self.num_stages}")
+        if held != len(self.chunks):
+            stages = ", ".join(map(str, self.placement.stages[self.rank]))
+            raise ValueError(
+                f"the schedule gives this rank {held} chunk(s) (virtual stages {stages}), "
+                f"but {len(self.chunks)} module(s) were given"
+            )
+
+    def _forward_order(self, action: Action) -> tuple[int, int]:
+        """Evaluation runs each micro-batch through the stages in pipeline order, on every rank alike."""
+        return action.microbatch, self.placement.stage(self.rank, action.chunk)
 
     # --- one training step -----------------------------------------------------------------------------
 
@@ -182,12 +216,12 @@ class Pipeline:
         Only the first stage sees the inputs and only the last the targets, so one small all-gather lets
         every rank raise the same clear error for a bad batch, before any pipeline message is sent.
         """
-        first, last = self.rank == 0, self.rank == self.num_stages - 1
+        first, last = self.rank == self.first_rank, self.rank == self.last_rank
         mine = torch.tensor(
             [
                 self.num_microbatches,
                 len(self.chunks),
-                zlib.crc32(self.schedule_name.encode()),
+                self._fingerprint,
                 _batch_size(inputs, "the inputs") if first else -2,
                 _batch_size(targets, "the targets") if last else -2,
             ],
@@ -203,13 +237,13 @@ class Pipeline:
             raise ValueError(
                 f"rank {self.rank}: ranks disagree on micro-batches, chunks or schedule ({described})"
             )
-        batch, target_batch = rows[0][3], rows[-1][4]
+        batch, target_batch = rows[self.first_rank][3], rows[self.last_rank][4]
         if batch < 0:
-            raise ValueError(f"rank {self.rank}: the first stage (rank 0) was given no inputs tensor")
-        if target_batch < 0:
             raise ValueError(
-                f"rank {self.rank}: the last stage (rank {self.num_stages - 1}) was given no targets"
+                f"rank {self.rank}: the first stage (rank {self.first_rank}) was given no inputs tensor"
             )
+        if target_batch < 0:
+            raise ValueError(f"rank {self.rank}: the last stage (rank {self.last_rank}) was given no targets")
         if batch != target_batch:
             raise ValueError(f"rank {self.rank}: {batch} inputs but {target_batch} targets in the batch")
         try:
@@ -221,7 +255,7 @@ class Pipeline:
         if self.num_stages == 1:
             return float(loss)
         value = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
-        return float(comms.broadcast(value, self.num_stages - 1, "sharing the loss"))
+        return float(comms.broadcast(value, self.last_rank, "sharing the loss"))
 
 
 class _StepRun:
@@ -231,9 +265,9 @@ class _StepRun:
         self.pipe, self.sizes, self.training = pipe, sizes, training
         self.actions = pipe.actions if training else pipe.forward_actions
         self.first_samples = [sum(sizes[:mb]) for mb in range(len(sizes))]
-        self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == 0 else None
+        self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
         self.targets = None
-        if pipe.rank == pipe.num_stages - 1:
+        if pipe.rank == pipe.last_rank:
             self.targets = pytree.split(targets, sizes, pipe.device)
             self.scales = loss_scales(pipe.loss_fn, self.targets, sizes)
         self.stash: dict[tuple[int, int], _Stash] = {}
@@ -244,7 +278,7 @@ class _StepRun:
             self.meter.reset()
 
     def _stage(self, action: Action) -> int:
-        return virtual_stage(self.pipe.rank, action.chunk, self.pipe.num_stages)
+        return self.pipe.placement.stage(self.pipe.rank, action.chunk)
 
     def prefetch(self, index: int) -> None:
         """Post the receive that action ``index`` will need, so its data arrives during this tick."""
@@ -254,7 +288,7 @@ class _StepRun:
         stage, mb = self._stage(action), action.microbatch
         if action.op == "F" and stage > 0:
             self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
-        elif action.op == "B" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
+        elif action.op in "BI" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
             self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
 
     def run(self) -> None:
@@ -269,7 +303,7 @@ class _StepRun:
         messenger.wait_seconds = 0.0
         start = time.perf_counter()
         try:
-            {"F": self.forward, "B": self.backward, "W": self.weight}[action.op](action)
+            {"F": self.forward, "B": self.backward, "I": self.backward, "W": self.weight}[action.op](action)
         except comms.CommError:
             raise
         except Exception as error:
@@ -287,7 +321,7 @@ class _StepRun:
         stage = self._stage(action)
         if action.op != "F" or stage == 0:
             return ""
-        sender = owner(stage - 1, self.pipe.num_stages)[0]
+        sender = self.pipe.placement.owner(stage - 1)[0]
         received = getattr(self, "_last_input", None)
         shown = pytree.describe(received) if received is not None else "nothing"
         return f"; its input came from stage {stage - 1} (rank {sender}) as {shown}"
@@ -349,13 +383,14 @@ class _StepRun:
             ]
             roots, grads = [out for out, _ in pairs], [g for _, g in pairs]
         inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
-        if not pipe.split and modified_in_place(stash.captured):
+        deferred = action.op == "I"  # the weights' half waits for a W
+        if not deferred and modified_in_place(stash.captured):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
             keep_graph = pipe.parameter_outputs.keeps_graph
             input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
-            if pipe.split:  # W comes later: hold only what it needs
+            if deferred:  # W comes later: hold only what it needs
                 kept = stash.root if keep_graph else None
                 self.stash[key] = _Stash(
                     stash.stage_input, stash.output if keep_graph else None, kept, [], work
@@ -391,10 +426,6 @@ def _warn_about_batch_norm(rank: int, chunks: list[nn.Module]) -> None:
             "whole batch: its results depend on the number of micro-batches (LayerNorm does not)",
             stacklevel=3,
         )
-
-
-def _forward_order(action: Action) -> tuple[int, int]:
-    return action.microbatch, action.chunk
 
 
 def _as_chunks(stage_or_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

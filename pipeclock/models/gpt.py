@@ -34,7 +34,7 @@ from torch import nn
 
 from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie
-from pipeclock.models.split import check_stage, partition
+from pipeclock.models.split import PlacementLike, partition, resolve_placement, virtual_stages
 
 TIED_KEY = "embed.wte.weight"
 Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, positions)
@@ -237,11 +237,13 @@ class GPT:
         return partition(config.num_pieces, num_stages)
 
     @classmethod
-    def for_rank(cls, config: GPTConfig, rank: int, num_stages: int, chunks: int = 1) -> list[nn.Sequential]:
-        """Rank ``rank``'s chunks (virtual stages ``c * num_stages + rank``), in virtual-stage order."""
-        check_stage(rank, num_stages)
-        ranges = cls.stage_pieces(config, num_stages * chunks)
-        parts = [_pieces(config, ranges[c * num_stages + rank]) for c in range(chunks)]
+    def for_rank(
+        cls, config: GPTConfig, rank: int, num_stages: int, chunks: int = 1, placement: PlacementLike = None
+    ) -> list[nn.Sequential]:
+        """Rank ``rank``'s chunks in virtual-stage order (the loop placement unless given; ``"v"``...)."""
+        resolved = resolve_placement(placement, num_stages, chunks)
+        ranges = cls.stage_pieces(config, resolved.num_virtual)
+        parts = [_pieces(config, ranges[v]) for v in virtual_stages(rank, num_stages, chunks, resolved)]
         _tie_locally(parts)
         return parts
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeclock.models.split import check_stage, partition, virtual_stages
+from pipeclock.models.split import PlacementLike, check_stage, partition, resolve_placement, virtual_stages
 
 
 class ShardedMLP(nn.Module):
@@ -36,11 +36,19 @@ class ShardedMLP(nn.Module):
 
     @classmethod
     def for_rank(
-        cls, hidden: int, num_layers: int, rank: int, num_stages: int, chunks: int = 1, seed: int = 0
+        cls,
+        hidden: int,
+        num_layers: int,
+        rank: int,
+        num_stages: int,
+        chunks: int = 1,
+        seed: int = 0,
+        placement: PlacementLike = None,
     ) -> list[ShardedMLP]:
-        """Rank ``rank``'s chunks (virtual stages ``c * num_stages + rank``), as a list."""
-        total = num_stages * chunks
-        return [cls(hidden, num_layers, v, total, seed) for v in virtual_stages(rank, num_stages, chunks)]
+        """Rank ``rank``'s chunks as a list, in virtual-stage order (the loop placement unless given)."""
+        resolved = resolve_placement(placement, num_stages, chunks)
+        stages = virtual_stages(rank, num_stages, chunks, resolved)
+        return [cls(hidden, num_layers, v, resolved.num_virtual, seed) for v in stages]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for index, layer in self.layers.items():

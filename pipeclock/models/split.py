@@ -1,7 +1,9 @@
 """Cutting a model into stages: balanced contiguous ranges of layers, and slices of an ``nn.Sequential``.
 
-Rank r's chunk c is virtual stage ``c * num_stages + r`` (see ``pipeclock.engine.actions``), so with
-``chunks > 1`` each rank holds several non-adjacent slices of the model.
+Which virtual stages a rank holds is the schedule's placement (``pipeclock.engine.placement``): by
+default the loop, where rank r's chunk c is virtual stage ``c * num_stages + r``, so with ``chunks > 1``
+each rank holds several non-adjacent slices of the model; ``placement="v"`` gives rank r stages r and
+2 * num_stages - 1 - r.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from itertools import pairwise
 
 from torch import nn
+
+from pipeclock.engine.placement import Placement
 
 
 def partition(num_layers: int, num_stages: int) -> list[range]:
@@ -35,21 +39,39 @@ def check_stage(stage: int, num_stages: int) -> None:
         raise ValueError(f"stage {stage} is out of range for {num_stages} stages (0..{num_stages - 1})")
 
 
-def virtual_stages(stage: int, num_stages: int, chunks: int) -> list[int]:
-    check_stage(stage, num_stages)
+PlacementLike = Placement | str | None
+
+
+def resolve_placement(placement: PlacementLike, num_stages: int, chunks: int) -> Placement:
+    """A ``Placement`` from one, from its name (``"loop"``, ``"v"``), or the loop when None."""
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    return [chunk * num_stages + stage for chunk in range(chunks)]
+    if isinstance(placement, Placement):
+        return placement
+    resolved = Placement.named(placement or "loop", num_stages, chunks)
+    if resolved.chunks != chunks:
+        raise ValueError(f"the {placement} placement gives every rank {resolved.chunks} chunks, not {chunks}")
+    return resolved
+
+
+def virtual_stages(stage: int, num_stages: int, chunks: int, placement: PlacementLike = None) -> list[int]:
+    """Rank ``stage``'s virtual stages, in increasing order (its chunks 0, 1, ...)."""
+    check_stage(stage, num_stages)
+    return list(resolve_placement(placement, num_stages, chunks).stages[stage])
 
 
 def split_sequential(
-    seq: nn.Sequential, stage: int, num_stages: int, chunks: int = 1
+    seq: nn.Sequential, stage: int, num_stages: int, chunks: int = 1, placement: PlacementLike = None
 ) -> nn.Sequential | list[nn.Sequential]:
     """This rank's slice of ``seq``: an ``nn.Sequential`` for one chunk, a list of them for several.
 
     The slices keep ``seq``'s own module names (``"7"`` stays ``"7"``), so parameter names are the full
-    model's: a checkpoint written by any split loads into any other.
+    model's: a checkpoint written by any split loads into any other. ``placement`` (``"v"``, or a
+    schedule's ``Placement``) says which slices are this rank's.
     """
-    ranges = partition(len(seq), num_stages * chunks)
-    slices = [seq[ranges[v].start : ranges[v].stop] for v in virtual_stages(stage, num_stages, chunks)]
-    return slices[0] if chunks == 1 else slices
+    resolved = resolve_placement(placement, num_stages, chunks)
+    ranges = partition(len(seq), resolved.num_virtual)
+    slices = [
+        seq[ranges[v].start : ranges[v].stop] for v in virtual_stages(stage, num_stages, chunks, resolved)
+    ]
+    return slices[0] if len(slices) == 1 else slices

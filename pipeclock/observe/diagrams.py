@@ -131,9 +131,9 @@ def _headline(title: str, timeline: Timeline) -> str:
     return f"{title}: {figures}" if title else figures
 
 
-_LIGHTEN = {"F": 0.0, "B": 0.45, "W": 0.7}
+_LIGHTEN = {"F": 0.0, "B": 0.45, "I": 0.45, "W": 0.7}
 _WAIT_GREY = (0.75, 0.75, 0.75)
-_HATCH = {"F": "", "B": "", "W": "///"}
+_HATCH = {"F": "", "B": "", "I": "...", "W": "///"}
 
 
 def _draw_axes(axes, timeline: Timeline, title: str, extent: float) -> None:
@@ -184,11 +184,16 @@ def _add_legend(figure) -> None:
     grey = (0.35, 0.35, 0.35)
     handles = [
         Patch(facecolor=_lighten(grey, _LIGHTEN[op]), hatch=_HATCH[op], edgecolor="black", label=text)
-        for op, text in (("F", "F forward"), ("B", "B backward"), ("W", "W weight grad"))
+        for op, text in (
+            ("F", "F forward"),
+            ("B", "B backward"),
+            ("I", "I input grad"),
+            ("W", "W weight grad"),
+        )
     ]
     handles.append(Patch(facecolor=_WAIT_GREY, label="waiting for data"))
     figure.legend(
-        handles=handles, loc="upper right", bbox_to_anchor=(0.98, 1.0), ncol=4, fontsize=8, frameon=False
+        handles=handles, loc="upper right", bbox_to_anchor=(0.98, 1.0), ncol=5, fontsize=8, frameon=False
     )
 
 

@@ -12,8 +12,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeclock.engine.actions import Schedule, dependencies, num_chunks
-from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.engine.actions import Schedule, dependencies, placement_of
+from pipeclock.engine.generators import SCHEDULES, bubble_formula, bubble_formula_text
 from pipeclock.observe.diagrams import MAX_WIDTH, ascii_diagram, draw_comparison_png
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.simulate import simulate
@@ -42,7 +42,7 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
     p, chunks = report.timelines[0].num_ranks, report.chunks
     m = report.timelines[0].num_microbatches
     step = report.step_seconds
-    formula = bubble_formula(schedule_name, p, m, chunks) if schedule_name in _KNOWN else None
+    formula = bubble_formula(schedule_name, p, m, chunks) if schedule_name in SCHEDULES else None
     predicted = predicted_timeline(report, schedule)
     lines = [
         f"step time        {step * 1e3:.2f} ms (median of {len(report.measured)} steps), "
@@ -62,9 +62,6 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
             + (f"   CUDA peak {_mib(run.cuda_peak_bytes)}" if run.cuda_peak_bytes is not None else "")
         )
     return lines
-
-
-_KNOWN = {"naive", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
 
 
 def side_by_side(names: Sequence[str], rows: dict[str, Sequence[str]]) -> list[str]:
@@ -183,12 +180,11 @@ def messages_per_rank(schedule: Schedule) -> list[int]:
     gradient back), which is exactly what the orchestrator sends. The shape headers, sent once per
     stage and micro-batch size, are not counted.
     """
-    num_ranks = len(schedule)
-    num_virtual = num_ranks * num_chunks(schedule)
-    counts = [0] * num_ranks
+    placement = placement_of(schedule)
+    counts = [0] * len(schedule)
     for rank, actions in enumerate(schedule):
         for action in actions:
-            for source, _ in dependencies(action, rank, num_ranks, num_virtual):
+            for source, _ in dependencies(action, rank, placement):
                 if source != rank:
                     counts[rank] += 1  # received here
                     counts[source] += 1  # sent there

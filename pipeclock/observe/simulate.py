@@ -11,20 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pipeclock.engine.actions import Action, Schedule, dependencies, is_split, num_chunks, validate
+from pipeclock.engine.actions import (
+    Action,
+    Schedule,
+    dependencies,
+    num_chunks,
+    placement_of,
+    produces,
+    validate,
+)
 from pipeclock.observe.timeline import Span, Timeline
 
-UNSPLIT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "W": 0.0}
-SPLIT_COSTS: dict[str, float] = {"F": 1.0, "B": 1.0, "W": 1.0}
+# A whole backward costs twice a forward; split, each half costs one: F + B = F + I + W.
+DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 class DeadlockError(RuntimeError):
     """The schedule can never finish: every unfinished rank waits for something that cannot happen."""
 
 
-def default_costs(schedule: Schedule) -> dict[str, float]:
-    """F = 1, B = 2 per action; when the backward is split, F = B = W = 1 (the same total work)."""
-    return dict(SPLIT_COSTS if is_split(schedule) else UNSPLIT_COSTS)
+def default_costs(schedule: Schedule | None = None) -> dict[str, float]:
+    """F = 1 and B = 2 per action; a split backward costs I = 1 and W = 1 (the same total work)."""
+    return dict(DEFAULT_COSTS)
 
 
 def simulate(
@@ -40,7 +48,7 @@ def simulate(
     durations = _durations(schedule, costs)
     if comm_latency < 0:
         raise ValueError(f"comm_latency must be >= 0, got {comm_latency}")
-    run = _Run(schedule, durations, comm_latency, num_virtual=num_stages * chunks)
+    run = _Run(schedule, durations, comm_latency)
     run.until_stuck()
     if not run.finished:
         raise DeadlockError(run.deadlock_report())
@@ -71,13 +79,11 @@ def _durations(schedule: Schedule, costs: Mapping[str, float] | None) -> dict[st
 class _Run:
     """The simulation state: where each rank is in its list, when it is free, what has finished."""
 
-    def __init__(
-        self, schedule: Schedule, durations: dict[str, float], latency: float, num_virtual: int
-    ) -> None:
+    def __init__(self, schedule: Schedule, durations: dict[str, float], latency: float) -> None:
         self.schedule = schedule
         self.durations = durations
         self.latency = latency
-        self.num_virtual = num_virtual
+        self.placement = placement_of(schedule)
         self.position = [0] * len(schedule)
         self.free_at = [0.0] * len(schedule)
         self.done: dict[tuple[int, Action], float] = {}
@@ -97,25 +103,40 @@ class _Run:
                     moved = True
 
     def _try_next(self, rank: int) -> bool:
-        if self.position[rank] == len(self.schedule[rank]):
+        """Start the rank's next action (or overlapped pair) if its inputs exist; False if it must wait."""
+        position, actions = self.position[rank], self.schedule[rank]
+        if position == len(actions):
             return False
-        action = self.schedule[rank][self.position[rank]]
-        inputs_ready = 0.0
-        for needed in self._needs(rank, action):
-            if needed not in self.done:
-                return False
-            hop = self.latency if needed[0] != rank else 0.0
-            inputs_ready = max(inputs_ready, self.done[needed] + hop)
-        start = max(self.free_at[rank], inputs_ready)
-        end = start + self.durations[action.op]
-        self.spans.append(Span(rank, action, start, end))
-        self.done[(rank, action)] = end
-        self.free_at[rank] = end
-        self.position[rank] += 1
+        group = actions[position : position + (2 if actions[position].overlap else 1)]
+        ready = self._inputs_ready(rank, group)
+        if ready is None:
+            return False
+        start = max(self.free_at[rank], ready)
+        for action in group:
+            end = start + self.durations[action.op]
+            self.spans.append(Span(rank, action, start, end))
+            for event in produces(action):
+                self.done[(rank, event)] = end
+            start = end
+        self.free_at[rank] = start
+        self.position[rank] += len(group)
         return True
 
+    def _inputs_ready(self, rank: int, group: list[Action]) -> float | None:
+        """When every input of ``group`` has arrived, or None if one has not been produced yet."""
+        ready = 0.0
+        for action in group:
+            for needed in self._needs(rank, action):
+                if needed[1] in group and needed[0] == rank:
+                    continue  # produced inside the pair itself
+                if needed not in self.done:
+                    return None
+                hop = self.latency if needed[0] != rank else 0.0
+                ready = max(ready, self.done[needed] + hop)
+        return ready
+
     def _needs(self, rank: int, action: Action) -> list[tuple[int, Action]]:
-        return dependencies(action, rank, len(self.schedule), self.num_virtual)
+        return dependencies(action, rank, self.placement)
 
     def deadlock_report(self) -> str:
         lines = ["the schedule deadlocks; no rank can move:"]
@@ -124,9 +145,15 @@ class _Run:
                 lines.append(f"  rank {rank}: finished")
                 continue
             action = actions[self.position[rank]]
-            missing = [f"{a} on rank {r}" for r, a in self._needs(rank, action) if (r, a) not in self.done]
+            missing = [_event(r, a) for r, a in self._needs(rank, action) if (r, a) not in self.done]
             lines.append(
                 f"  rank {rank}: stuck at {action} (action {self.position[rank]}), "
                 f"waiting for {' and '.join(missing)}"
             )
         return "\n".join(lines)
+
+
+def _event(rank: int, event: Action) -> str:
+    """A missing event, as a reader wants it: a gradient comes from a B, or from an I."""
+    what = f"{event} (or I{str(event)[1:]})" if event.op == "B" else str(event)
+    return f"{what} on rank {rank}"

@@ -2,6 +2,8 @@
 
 python -m pipeclock schedule 1f1b --stages 4 --microbatches 8 --png 1f1b.png
 python -m pipeclock schedule --compare --stages 4 --microbatches 8 --png compare.png
+python -m pipeclock schedule --schedule-csv zbv.csv             # a schedule written by another engine
+python -m pipeclock schedule zb-v -p 4 -m 8 --save-csv zbv.csv   # and the other way
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeclock.engine.actions import is_split
+from pipeclock.engine.actions import Schedule, num_chunks, placement_of
+from pipeclock.engine.csv_schedule import load_csv, save_csv
 from pipeclock.engine.generators import (
     SCHEDULES,
     bubble_formula,
     bubble_formula_text,
+    chunks_of,
     generate,
     get_schedule,
     supports_chunks,
@@ -42,10 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--costs",
-        metavar="F,B,W",
+        metavar="F,I,W",
         help="time of a stage's forward, input-gradient backward and weight-gradient backward "
-        "(default 1,1,1); schedules that do not split the backward pay B+W for their B",
+        "(default 1,1,1); a whole backward B costs I+W",
     )
+    parser.add_argument(
+        "--schedule-csv", metavar="FILE",
+        help="simulate the schedule in FILE (torch.distributed.pipelining's compute_only CSV) instead of a "
+        "named one; its ranks, micro-batches and placement come from the file",
+    )  # fmt: skip
+    parser.add_argument("--save-csv", metavar="FILE", help="also write the schedule in that CSV format")
     parser.add_argument("--latency", metavar="L", default="0", help="time each hop between ranks takes")
     parser.add_argument("--png", metavar="FILE", help="also draw the timeline into this PNG file")
 
@@ -60,18 +70,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show_one(args: argparse.Namespace) -> int:
-    if not args.name:
-        raise UsageError("name a schedule (one of " + ", ".join(SCHEDULES) + ") or pass --compare")
-    p, m = _count(args.stages, "--stages"), _count(args.microbatches, "--microbatches")
-    chunks = _chunks_for(args.name, args.chunks)
-    timeline = _simulate(args.name, p, m, chunks, _costs(args.costs), _latency(args.latency))
-    print(_header(args.name, p, m, chunks))
+    name, schedule = _chosen(args)
+    p, m, chunks = len(schedule), _microbatches(schedule), num_chunks(schedule)
+    timeline = _simulate(schedule, _costs(args.costs), _latency(args.latency))
+    print(_header(name, p, m, chunks, placement_of(schedule).name))
     print(ascii_diagram(timeline))
     print()
-    print(_summary(args.name, p, m, chunks, timeline))
+    print(_summary(name, p, m, chunks, timeline))
+    if args.save_csv:
+        print(f"wrote {save_csv(schedule, args.save_csv)}")
     if args.png:
-        print(f"drew {draw_png(timeline, args.png, title=args.name)}")
+        print(f"drew {draw_png(timeline, args.png, title=name)}")
     return 0
+
+
+def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
+    """The schedule asked for: a named one (with --stages and --microbatches) or a CSV file's."""
+    if args.schedule_csv:
+        if args.name:
+            raise UsageError("name a schedule or give --schedule-csv, not both")
+        schedule = load_csv(args.schedule_csv)
+        checks = [("--stages", args.stages, len(schedule))]
+        checks.append(("--microbatches", args.microbatches, _microbatches(schedule)))
+        for option, given, found in checks:
+            if given is not None and _count(given, option) != found:
+                raise UsageError(f"{args.schedule_csv} has {found} for {option}, not {given}")
+        return args.schedule_csv, schedule
+    if not args.name:
+        raise UsageError(
+            "name a schedule (one of " + ", ".join(SCHEDULES) + "), give --schedule-csv, or pass --compare"
+        )
+    p, m = _count(args.stages, "--stages"), _count(args.microbatches, "--microbatches")
+    return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
+
+
+def _microbatches(schedule: Schedule) -> int:
+    return 1 + max(a.microbatch for row in schedule for a in row)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -82,9 +116,10 @@ def _compare(args: argparse.Namespace) -> int:
     costs, latency = _costs(args.costs), _latency(args.latency)
     timelines = {}
     for name in SCHEDULES:
-        name_chunks = chunks if supports_chunks(get_schedule(name)) else 1
-        label = f"{name} (v={name_chunks})" if name_chunks > 1 else name
-        timelines[label] = (name, name_chunks, _simulate(name, p, m, name_chunks, costs, latency))
+        name_chunks = chunks_of(name) or (chunks if supports_chunks(get_schedule(name)) else 1)
+        label = f"{name} (v={name_chunks})" if supports_chunks(get_schedule(name)) else name
+        schedule = generate(name, p, m, name_chunks)
+        timelines[label] = (name, name_chunks, _simulate(schedule, costs, latency))
     print(f"every schedule, p={p} stages, m={m} micro-batches; times in stage forwards")
     print(_comparison_table(p, m, timelines))
     if args.png:
@@ -93,34 +128,33 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(
-    name: str, p: int, m: int, chunks: int, costs: tuple[float, float, float], latency: float
-) -> Timeline:
-    """Simulate ``name`` with per-stage ``costs`` (F, B, W); a chunk does 1/chunks of a stage's work."""
-    schedule = generate(name, p, m, chunks)
-    forward, backward, weight = (cost / chunks for cost in costs)
-    if is_split(schedule):
-        return simulate(schedule, {"F": forward, "B": backward, "W": weight}, comm_latency=latency)
-    return simulate(schedule, {"F": forward, "B": backward + weight}, comm_latency=latency)
+def _simulate(schedule: Schedule, costs: tuple[float, float, float], latency: float) -> Timeline:
+    """Simulate with per-stage ``costs`` (F, I, W; B = I + W); a chunk does 1/chunks of a stage's work."""
+    forward, backward, weight = (cost / num_chunks(schedule) for cost in costs)
+    per_op = {"F": forward, "B": backward + weight, "I": backward, "W": weight}
+    return simulate(schedule, per_op, comm_latency=latency)
 
 
-def _header(name: str, p: int, m: int, chunks: int) -> str:
+def _header(name: str, p: int, m: int, chunks: int, placement: str = "loop") -> str:
     shape = f"{name}: p={p} stages, m={m} micro-batches"
     if chunks == 1:
         return f"{shape}; times in stage forwards\n"
+    where = f", {placement} placement" if placement != "loop" else ""
     return (
-        f"{shape}, {chunks} chunks per rank; times in stage forwards (a chunk does 1/{chunks} of a stage)\n"
+        f"{shape}, {chunks} chunks per rank{where}; times in stage forwards "
+        f"(a chunk does 1/{chunks} of a stage)\n"
     )
 
 
 def _summary(name: str, p: int, m: int, chunks: int, timeline: Timeline) -> str:
-    formula = bubble_formula(name, p, m, chunks)
     peaks = " ".join(_number(timeline.peak_live(rank)) for rank in range(p))
+    formula = "no formula (a schedule from a file)"
+    if name in SCHEDULES:
+        formula = f"formula {bubble_formula_text(name)} = {bubble_formula(name, p, m, chunks):.1%}"
     return "\n".join(
         [
             f"makespan          {_number(timeline.makespan)}",
-            f"bubble            {timeline.bubble_share:.1%} of the step (simulated);"
-            f" formula {bubble_formula_text(name)} = {formula:.1%}",
+            f"bubble            {timeline.bubble_share:.1%} of the step (simulated); {formula}",
             f"bubble vs ideal   {timeline.bubble_vs_ideal:.1%} longer than the busiest rank's compute",
             f"peak activations  {peaks} (stages held, rank 0 first)",
         ]
@@ -169,7 +203,7 @@ def _count(text: str | None, option: str) -> int:
 def _chunks_for(name: str, text: str | None) -> int:
     if text is not None:
         return _count(text, "--chunks")
-    return DEFAULT_CHUNKS if supports_chunks(get_schedule(name)) else 1
+    return chunks_of(name) or (DEFAULT_CHUNKS if supports_chunks(get_schedule(name)) else 1)
 
 
 def _costs(text: str | None) -> tuple[float, float, float]:
@@ -181,7 +215,7 @@ def _costs(text: str | None) -> tuple[float, float, float]:
     except ValueError:
         costs = ()
     if len(costs) != 3 or min(costs) < 0 or costs[0] + costs[1] + costs[2] <= 0:
-        raise UsageError(f"--costs must be three numbers >= 0 like 1,1,1 (F,B,W), got {text!r}")
+        raise UsageError(f"--costs must be three numbers >= 0 like 1,1,1 (F,I,W), got {text!r}")
     return costs  # type: ignore[return-value]
 
 

@@ -24,7 +24,7 @@ from pipeclock.app.checkpoint import CheckpointError
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.engine.generators import SCHEDULES
-from pipeclock.models.text import CorpusError
+from pipeclock.models.text import CorpusError, bits_per_byte
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 
 
@@ -36,8 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--schedule", default=defaults.schedule, choices=list(SCHEDULES))
     parser.add_argument(
-        "--microbatches", type=int, default=defaults.microbatches, help="micro-batches per step"
+        "--microbatches", type=int, help="micro-batches per step (default 8, or the --schedule-csv file's)"
     )
+    parser.add_argument(
+        "--schedule-csv", metavar="FILE",
+        help="run the schedule in FILE (torch.distributed.pipelining's compute_only CSV) instead of "
+        "--schedule: its ranks, micro-batches and placement come from the file",
+    )  # fmt: skip
     parser.add_argument(
         "--chunks", type=int, default=None, help="model chunks per rank (default: 2 if interleaved)"
     )
@@ -166,8 +171,7 @@ def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -
         f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}"
         for steps, loss in validation
     ]
-    baseline = task.baseline_bits_per_byte()
-    final = float(task.readable(validation[-1][1]).split()[0])
+    baseline, final = task.baseline_bits_per_byte(), bits_per_byte(validation[-1][1])
     lines.append(f"  bigram byte model (order 1, fitted on the training split): {baseline:.3f} bits/byte")
     if final < baseline:
         lines.append(f"  the GPT beats it by {baseline - final:.3f} bits/byte")
