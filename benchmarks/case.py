@@ -14,6 +14,7 @@ from benchmarks import engines, summary
 from benchmarks.plan import Case
 from pipeclock import comms
 from pipeclock.app.data import SyntheticRegression
+from pipeclock.engine.placement import Placement
 
 LOSS_TOLERANCE = 1e-5  # relative
 GRAD_TOLERANCE = 1e-4  # largest gradient difference, relative to the largest gradient on the rank
@@ -55,7 +56,7 @@ class CaseRun:
             self.step_engine(engine, self.batch(0), metering=True, keep_grads=True)
             grads = [p.grad.detach().clone() for module in engine.modules for p in module.parameters()]
             free_grads(engine.modules)
-            results.append((_shared_loss(self.samples[engine.name][-1].loss), grads))
+            results.append((_shared_loss(self.samples[engine.name][-1].loss, self.case), grads))
         self.check = self._compare(results)
 
     def _compare(self, results: list) -> dict:
@@ -80,9 +81,10 @@ class CaseRun:
         }
 
     def batch(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Batch ``index``, given only where it is read: inputs on the first rank, targets on the last."""
+        """Batch ``index``, given only where it is read: inputs where the first stage is, targets where
+        the last is (rank 0 on a V)."""
         inputs, targets = self.data.batch(index, self.case.batch)
-        rank, last = comms.get_rank(), comms.get_world_size() - 1
+        rank, last = comms.get_rank(), _last_rank(self.case)
         return (inputs if rank == 0 else None), (targets if rank == last else None)
 
     def result(self) -> dict | None:
@@ -96,7 +98,12 @@ def free_grads(modules: list[torch.nn.Module]) -> None:
         module.zero_grad(set_to_none=True)
 
 
-def _shared_loss(loss: float | None) -> float:
-    """The batch loss on every rank: the last stage knows it in both engines."""
+def _shared_loss(loss: float | None, case) -> float:
+    """The batch loss on every rank: the last stage's rank knows it in both engines."""
     value = torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
-    return float(comms.broadcast(value, comms.get_world_size() - 1, "sharing the checked loss"))
+    return float(comms.broadcast(value, _last_rank(case), "sharing the checked loss"))
+
+
+def _last_rank(case) -> int:
+    placement = Placement.named(case.placement, comms.get_world_size(), case.chunks)
+    return placement.owner(placement.num_virtual - 1)[0]

@@ -32,17 +32,23 @@ RESULTS = ROOT / "benchmarks" / "results"
 SCHEDULES = {"1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble"}
 MICROBATCHES = (4, 8)
 BATCH, SEQ_LEN = 16, 128
+ENGINES = ("pipeclock", "torch", "pipeclock, meter off")
 
 
 class _Args(nn.Module):
-    """torch's stage calls ``module(*args)``; the GPT's pieces take their ``(hidden, positions)`` whole."""
+    """torch's stage calls ``module(*args)``; the GPT's pieces take their ``(hidden, positions)`` whole.
+
+    torch sends outputs as they are, and gloo refuses a non-contiguous tensor (the expanded positions),
+    so the adapter hands on contiguous ones; pipeclock's sends do the same themselves.
+    """
 
     def __init__(self, chunk: nn.Module):
         super().__init__()
         self.chunk = chunk
 
     def forward(self, *args):
-        return self.chunk(args[0] if len(args) == 1 else args)
+        output = self.chunk(args[0] if len(args) == 1 else args)
+        return tuple(t.contiguous() for t in output) if isinstance(output, tuple) else output
 
 
 def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,8 @@ def _slowest(seconds: float) -> float:
 
 
 def _engines(name: str, m: int):
-    """(pipeclock's step, torch's step), each a function of (ids, targets) on its own modules."""
+    """Steps of pipeclock (as it ships, and with its activation meter off) and of torch, each a function
+    of (ids, targets) on its own modules."""
     from torch.distributed import pipelining
 
     from pipeclock import comms, schedule
@@ -67,16 +74,26 @@ def _engines(name: str, m: int):
     config = GPTConfig(seq_len=SEQ_LEN)
     ours = GPT.for_rank(config, rank, world)
     pipe = schedule.Pipeline(ours, name, m, schedule.TokenCrossEntropy())
+    bare = GPT.for_rank(config, rank, world)
+    unmetered = schedule.Pipeline(bare, name, m, schedule.TokenCrossEntropy(), measure_memory=False)
     stage = pipelining.PipelineStage(_Args(GPT.for_rank(config, rank, world)[0]), rank, world, comms.device())
     kind = getattr(pipelining, SCHEDULES[name])
     multi = issubclass(kind, pipelining.schedules.PipelineScheduleMulti)
     theirs = kind([stage] if multi else stage, m, loss_fn=_mean_cross_entropy)
-    optimizers = [torch.optim.Adam(p, lr=3e-3) for p in (_params(ours), stage.submod.parameters())]
+    optimizers = [
+        torch.optim.Adam(p, lr=3e-3) for p in (_params(ours), stage.submod.parameters(), _params(bare))
+    ]
 
     def pipeclock_step(ids, targets) -> float:
         optimizers[0].zero_grad()
         loss = pipe.step(ids, targets)
         optimizers[0].step()
+        return loss
+
+    def unmetered_step(ids, targets) -> float:
+        optimizers[2].zero_grad()
+        loss = unmetered.step(ids, targets)
+        optimizers[2].step()
         return loss
 
     def torch_step(ids, targets) -> float | None:
@@ -85,9 +102,9 @@ def _engines(name: str, m: int):
         args = (ids,) if stage.is_first else ()
         theirs.step(*args, target=targets if stage.is_last else None, losses=losses, return_outputs=False)
         optimizers[1].step()
-        return statistics.fmean(float(x) for x in losses) if losses else None
+        return statistics.fmean(float(x.detach()) for x in losses) if losses else None
 
-    return pipeclock_step, torch_step
+    return pipeclock_step, torch_step, unmetered_step
 
 
 def _params(chunks):
@@ -103,12 +120,12 @@ def worker(steps: int, warmup: int, output: Path) -> None:
     corpus, results = TextCorpus.default(), []
     for name in SCHEDULES:
         for m in MICROBATCHES:
-            engines = dict(zip(("pipeclock", "torch"), _engines(name, m), strict=True))
+            engines = dict(zip(ENGINES, _engines(name, m), strict=True))
             times: dict[str, list[float]] = {engine: [] for engine in engines}
             first_losses: dict[str, float | None] = {}
             for step in range(warmup + steps):
                 ids, targets = corpus.batch(step, BATCH, SEQ_LEN)
-                order = list(engines) if step % 2 == 0 else list(reversed(engines))
+                order = list(engines)[step % 3 :] + list(engines)[: step % 3]  # each engine in each slot
                 for engine in order:
                     comms.barrier("starting a timed step")
                     start = time.perf_counter()
@@ -129,15 +146,17 @@ def table(data: dict) -> list[str]:
     tokens = data["batch"] * data["seq_len"]
     lines = [
         "| schedule (torch's) | m | pipeclock step | torch step | pipeclock tokens/s | torch tokens/s "
-        "| pipeclock / torch (time) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| pipeclock / torch (time) | pipeclock, meter off / torch |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case in data["cases"]:
-        ours, theirs = (statistics.median(case["times"][e]) for e in ("pipeclock", "torch"))
+        ours, theirs, bare = (statistics.median(case["times"][e]) for e in ENGINES)
         steps = f"{ours * 1e3:.1f} ms | {theirs * 1e3:.1f} ms"
         rates = f"{tokens / ours:,.0f} | {tokens / theirs:,.0f}"
         name = f"{case['schedule']} ({case['torch']})"
-        lines.append(f"| {name} | {case['m']} | {steps} | {rates} | {ours / theirs:.3f} |")
+        lines.append(
+            f"| {name} | {case['m']} | {steps} | {rates} | {ours / theirs:.3f} | {bare / theirs:.3f} |"
+        )
     return lines
 
 
