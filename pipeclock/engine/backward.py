@@ -92,6 +92,18 @@ def _zeros_for_unused(grads, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
 
 
+def gradient_roots(
+    outputs: list[torch.Tensor], received: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs a backward starts from, with their received gradients: those in the graph.
+
+    Every floating output leaf got a gradient from the next stage; one that needs none (computed
+    without parameters or inputs, say) is not a root.
+    """
+    pairs = [(out, g) for out, g in zip(outputs, received, strict=True) if out.requires_grad]
+    return [out for out, _ in pairs], [g for _, g in pairs]
+
+
 def backward_whole(
     roots: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor]
 ) -> list[torch.Tensor]:

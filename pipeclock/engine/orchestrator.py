@@ -36,6 +36,7 @@ from pipeclock.engine.backward import (
     backward_input,
     backward_weight,
     backward_whole,
+    gradient_roots,
     held_tensors,
     modified_in_place,
 )
@@ -376,12 +377,7 @@ class _StepRun:
             roots, grads = [stash.root], None
         else:
             received = pipe.messenger.receive_gradient(stage, mb, stash.output)
-            pairs = [
-                (out, g)
-                for out, g in zip(pytree.gradient_leaves(stash.output), received, strict=True)
-                if out.requires_grad
-            ]
-            roots, grads = [out for out, _ in pairs], [g for _, g in pairs]
+            roots, grads = gradient_roots(pytree.gradient_leaves(stash.output), received)
         inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
         deferred = action.op == "I"  # the weights' half waits for a W
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
@@ -393,10 +389,8 @@ class _StepRun:
             keep_graph = pipe.parameter_outputs.keeps_graph
             input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
             if deferred:  # W comes later: hold only what it needs
-                kept = stash.root if keep_graph else None
-                self.stash[key] = _Stash(
-                    stash.stage_input, stash.output if keep_graph else None, kept, [], work
-                )
+                output, root = (stash.output, stash.root) if keep_graph else (None, None)
+                self.stash[key] = _Stash(stash.stage_input, output, root, [], work)
                 if self.meter:
                     self.meter.update(key, held_tensors(work), keep_graph)
             else:
