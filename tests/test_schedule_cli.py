@@ -102,3 +102,15 @@ def test_python_dash_m_pipeclock_schedule_works():
     )
     assert result.returncode == 0, result.stderr
     assert "rank 1 |...F0 F1 B0    B1    ......|" in result.stdout
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """``pipeclock schedule ... | head`` closes the pipe early: no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "pipeclock", "schedule", "1f1b", "-p", "2", "-m", "4"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the command writes anything
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0 and stderr == ""

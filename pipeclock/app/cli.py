@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, str] = {
@@ -43,4 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     args = build_parser().parse_args(sys.argv[1:])
-    return int(_command_module(args.command).run(args) or 0)
+    try:
+        return int(_command_module(args.command).run(args) or 0)
+    except BrokenPipeError:  # `pipeclock schedule ... | head` closed our output: nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"pipeclock {args.command}: interrupted", file=sys.stderr)
+        return 130

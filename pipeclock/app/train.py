@@ -26,6 +26,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint
+from pipeclock.app.run_checks import agree, check_values
 from pipeclock.app.tasks import make_task
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
@@ -87,6 +88,7 @@ class TrainConfig:
                 )
             self.microbatches, self.schedule = found, Path(self.schedule_csv).name
         self.microbatches = 8 if self.microbatches is None else self.microbatches
+        check_values(self)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -158,6 +160,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     steps and after the last).
     """
     rank, world = comms.init(timeout=config.timeout)
+    agree(config)
     _check_checkpointing(config)
     task = make_task(config)
     modules = build_stage(config, rank, world, task)

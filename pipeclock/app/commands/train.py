@@ -34,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=defaults.model, choices=list(MODEL_DEFAULTS),
         help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text (default: mlp)",
     )  # fmt: skip
-    parser.add_argument("--schedule", default=defaults.schedule, choices=list(SCHEDULES))
+    parser.add_argument(
+        "--schedule", default=defaults.schedule, choices=list(SCHEDULES), metavar="NAME",
+        help=f"the pipeline schedule: {', '.join(SCHEDULES)} (default {defaults.schedule}); the number of "
+        "stages is the number of processes torchrun starts (--nproc-per-node)",
+    )  # fmt: skip
     parser.add_argument(
         "--microbatches", type=int, help="micro-batches per step (default 8, or the --schedule-csv file's)"
     )
@@ -78,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr", type=float, help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)"
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seeds the weights, the data and dropout (default 0)"
+    )
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout, help="seconds any blocking call may wait"
     )

@@ -1,0 +1,68 @@
+"""A run's configuration, checked before anything starts: sane values, and every rank asking the same.
+
+Each rank reads its own command line. Two ranks started with different ``--layers`` would build models
+that do not fit together, and different ``--steps`` would leave one rank waiting in a collective the
+others never join: so before the first step every rank shares its whole configuration and all refuse,
+naming each rank's values, if any differ. Values that cannot work (``--steps 0``, ``--timeout -1``)
+are one clear error, not a traceback from deep inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from pipeclock import comms
+
+AT_LEAST_ONE = (
+    "microbatches",
+    "hidden",
+    "layers",
+    "dim",
+    "heads",
+    "seq_len",
+    "eval_batches",
+    "batch_size",
+    "steps",
+)
+AT_LEAST_ZERO = ("eval_every", "checkpoint_every", "seed")
+POSITIVE = ("timeout", "lr")
+
+
+def check_values(config) -> None:
+    """``ValueError`` naming the flag for the first value that cannot work."""
+    for name in AT_LEAST_ONE:
+        _at_least(name, getattr(config, name), 1)
+    for name in AT_LEAST_ZERO:
+        _at_least(name, getattr(config, name), 0)
+    for name in POSITIVE:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"{_flag(name)} must be > 0, got {value}")
+    if config.chunks is not None:
+        _at_least("chunks", config.chunks, 1)
+    if not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
+
+
+def agree(config) -> None:
+    """Every rank runs the same configuration, or every rank raises the same ``ValueError``."""
+    mine = {f.name: getattr(config, f.name) for f in fields(config)}
+    everyone = comms.all_gather_object(mine, "agreeing on the run's configuration")
+    differing = sorted({name for other in everyone for name in mine if other[name] != everyone[0][name]})
+    if differing:
+        described = "; ".join(
+            f"{_flag(name)}: " + ", ".join(f"rank {r} {values[name]!r}" for r, values in enumerate(everyone))
+            for name in differing
+        )
+        raise ValueError(
+            f"rank {comms.get_rank()}: the ranks were started with different settings ({described})"
+        )
+
+
+def _at_least(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{_flag(name)} must be a whole number >= {minimum}, got {value!r}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
