@@ -22,9 +22,10 @@ The convention, for whoever writes a page:
 
   ``vary: REGEX``
       Lines in which REGEX is found carry measurements (timings, shares of a measured step). In them,
-      numbers with a decimal point or a thousands separator, and numbers followed by ``%`` or by ``x)``
-      (a ratio), may differ, except right after ``= `` (the value of a formula). Everything else must
-      match. Training losses go here too: their trajectory depends on the CPU's kernels.
+      numbers with a decimal point or a thousands separator, numbers followed by ``%``, by ``x)`` (a
+      ratio) or by a rate (``samples/s``: a busy machine's 50 has no separator) may differ, except
+      right after ``= `` (the value of a formula). Everything else (counts, sizes) must match.
+      Training losses go here too: their trajectory depends on the CPU's kernels.
   ``any: REGEX``
       Lines in which REGEX is found stand for any printed line in which REGEX finds the same text (e.g.
       ``^rank \\d \\|`` for a chart of a measured step).
@@ -64,7 +65,9 @@ COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with 
 
 _NOTE_KEYS = ("vary", "any", "long", "figure")
 # A measured number: thousands separators, a decimal point, or a percent sign; not the value of a formula.
-_MEASURED = re.compile(r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%|x\)))")
+_MEASURED = re.compile(
+    r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%|x\)|/s| samples/s| tokens/s))"
+)
 
 
 # --- reading pages ----------------------------------------------------------------------------------
