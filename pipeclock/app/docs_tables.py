@@ -51,6 +51,13 @@ def _simulated(name: str, p: int, m: int, v: int):
     return schedule, simulate(schedule, costs)
 
 
+def _label(name: str, chunks: int) -> str:
+    """``zb-v`` (V), ``interleaved-1f1b`` (v=2), or the bare name."""
+    if chunks_of(name):
+        return f"`{name}` (V)"
+    return f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
+
+
 def _chunks_for(name: str, v: int) -> int:
     return chunks_of(name) or (v if _interleaves(get_schedule(name)) else 1)
 
@@ -65,9 +72,7 @@ def tradeoffs_table(p: int, m: int, v: int) -> list[str]:
     for name in SCHEDULES:
         chunks = _chunks_for(name, v)
         schedule, timeline = _simulated(name, p, m, chunks)
-        label = (
-            f"`{name}` (V)" if chunks_of(name) else f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
-        )
+        label = _label(name, chunks)
         formula = f"{_percent(bubble_formula(name, p, m, chunks))} = {bubble_formula_text(name)}"
         cells = [
             label,
@@ -87,9 +92,7 @@ def bubble_by_m_table(p: int, v: int, ms: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     lines = ["| schedule | " + " | ".join(f"m={m}" for m in ms) + " |", "| --- |" + " --- |" * len(ms)]
     for name in SCHEDULES:
         chunks = _chunks_for(name, v)
-        label = (
-            f"`{name}` (V)" if chunks_of(name) else f"`{name}` (v={chunks})" if chunks > 1 else f"`{name}`"
-        )
+        label = _label(name, chunks)
         cells = [_percent(_simulated(name, p, m, chunks)[1].bubble_share) for m in ms]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines

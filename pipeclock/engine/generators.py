@@ -151,8 +151,9 @@ SCHEDULES: dict[str, Generator] = {
     "zb-v": zb_v,
     "dualpipev": dualpipev,
 }
-# The schedules whose placement is a V: rank r holds stages r and 2p - 1 - r, two chunks per rank.
-V_SCHEDULES = ("zb-v", "dualpipev")
+# Generators that fix the chunks per rank themselves: a V gives rank r stages r and 2p - 1 - r.
+_FIXED_CHUNKS: dict[Generator, int] = {zb_v: 2, dualpipev: 2}
+V_SCHEDULES = tuple(name for name, generator in SCHEDULES.items() if generator in _FIXED_CHUNKS)
 
 _BUBBLE_FORMULAS: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
     "naive": ("(p-1)/p", lambda p, m, v: (p - 1) / p),
@@ -180,15 +181,16 @@ def supports_chunks(generator: Generator) -> bool:
 
 def chunks_of(name: str) -> int | None:
     """The chunks per rank a schedule fixes (2 on a V), or None when the user chooses (interleaving)."""
-    return 2 if name in V_SCHEDULES else None
+    return _FIXED_CHUNKS.get(get_schedule(name))
 
 
 def generate(name_or_generator: str | Generator, p: int, m: int, chunks: int = 1) -> Schedule:
     """Call any generator the same way; ``chunks`` > 1 is an error for a one-chunk schedule."""
     generator = get_schedule(name_or_generator) if isinstance(name_or_generator, str) else name_or_generator
     _check_sizes(p, m, chunks)
-    if generator in (zb_v, dualpipev):
-        if chunks != 2:
+    fixed = _FIXED_CHUNKS.get(generator)
+    if fixed is not None:
+        if chunks != fixed:
             raise ValueError(f"schedule {_name_of(generator)!r} is a V: two chunks per rank, not {chunks}")
         return generator(p, m)
     if supports_chunks(generator):

@@ -61,10 +61,13 @@ def _mix(values: torch.Tensor) -> torch.Tensor:
 
 
 def _mix_int(*parts: int) -> int:
-    """The hash of a few Python integers, folded one after the other."""
+    """``_mix`` on plain Python integers, folded one after the other (no tensor on the hot path)."""
     value = 0
     for part in parts:
-        value = int(_mix(torch.tensor((value ^ part) & _MASK32, dtype=torch.int64)))
+        value = (value ^ part) & _MASK32
+        value = ((value ^ (value >> 16)) * _MULTIPLIERS[0]) & _MASK32
+        value = ((value ^ (value >> 13)) * _MULTIPLIERS[1]) & _MASK32
+        value ^= value >> 16
     return value
 
 

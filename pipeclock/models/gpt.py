@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock.engine.rng import KeyedDropout
-from pipeclock.engine.ties import tie
+from pipeclock.engine.ties import tie, tie_key
 from pipeclock.models.split import PlacementLike, partition, resolve_placement, virtual_stages
 
 TIED_KEY = "embed.wte.weight"
@@ -180,7 +180,7 @@ def build_piece(index: int, config: GPTConfig) -> nn.Module:
     residual_std = 0.02 / math.sqrt(2 * config.layers)
     with torch.no_grad():
         for name, parameter in piece.named_parameters():
-            if tie_key_of(parameter) == TIED_KEY:
+            if tie_key(parameter) == TIED_KEY:
                 parameter.copy_(_embedding_matrix(config))
             elif name.endswith("bias"):
                 parameter.zero_()
@@ -190,12 +190,6 @@ def build_piece(index: int, config: GPTConfig) -> nn.Module:
                 std = residual_std if name.endswith(("attn.proj.weight", "out.weight")) else 0.02
                 parameter.normal_(0.0, std, generator=generator)
     return piece
-
-
-def tie_key_of(parameter: torch.Tensor) -> str | None:
-    from pipeclock.engine.ties import tie_key
-
-    return tie_key(parameter)
 
 
 def _embedding_matrix(config: GPTConfig) -> torch.Tensor:
