@@ -136,10 +136,23 @@ def _create_channel_groups() -> None:
     before a receive from the same peer can block it. Separate communicators for "a to b" and "b to a"
     keep activations and gradients from waiting on each other. Every rank must create every group.
     """
-    world = dist.get_world_size()
-    for src in range(world):
-        for dst in {(src + 1) % world, (src - 1) % world} - {src}:
-            _channel_groups[(src, dst)] = dist.new_group([src, dst])
+    add_channels([list(range(dist.get_world_size()))])
+
+
+def add_channels(pipelines: list[list[int]]) -> None:
+    """On nccl, the directed channels between neighbours (in a ring) of each pipeline's global ranks.
+
+    ``init`` makes them for one pipeline over the whole world; a mesh of several pipelines adds its own.
+    Every rank calls this with the same list (``new_group`` is collective); gloo needs no channels.
+    """
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    for ranks in pipelines:
+        for i, src in enumerate(ranks):
+            for dst in sorted({ranks[(i + 1) % len(ranks)], ranks[i - 1]} - {src}):
+                if (src, dst) not in _channel_groups:
+                    _channel_groups[(src, dst)] = dist.new_group([src, dst])
+    _routes.clear()
 
 
 # --- topology ----------------------------------------------------------------------------------------
@@ -344,10 +357,10 @@ def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
 # --- small collectives with the same timeout ----------------------------------------------------------
 
 
-def all_gather(tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (same shape everywhere), within the timeout."""
-    gathered = [torch.empty_like(tensor) for _ in range(get_world_size())]
-    wait(dist.all_gather(gathered, tensor, async_op=True), what)
+def all_gather(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape everywhere; the ranks of ``group``), within the timeout."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    wait(dist.all_gather(gathered, tensor, group=group, async_op=True), what)
     return gathered
 
 
@@ -365,13 +378,14 @@ def all_reduce(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None 
     return tensor
 
 
-def all_gather_object(obj: object, what: str) -> list[object]:
-    """Every rank's picklable ``obj``, on every rank, within the timeout given to ``init``."""
-    if get_world_size() == 1:
+def all_gather_object(obj: object, what: str, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's picklable ``obj`` (the ranks of ``group``), on every rank, within the timeout."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
         return [obj]
-    gathered: list[object] = [None] * get_world_size()
+    gathered: list[object] = [None] * size
     try:
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=group)
     except RuntimeError as error:
         raise explain(error, what) from error
     return gathered

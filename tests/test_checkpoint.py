@@ -59,15 +59,24 @@ class Launch:
     """
 
     def __init__(
-        self, log: Path, stages: int, flags: list[str], *, restarts: int = 0, module: str = "pipeclock"
+        self,
+        log: Path,
+        stages: int,
+        flags: list[str],
+        *,
+        restarts: int = 0,
+        module: str = "pipeclock",
+        rendezvous: list[str] | None = None,
     ):
+        """``rendezvous``: torchrun's flags for joining the job (default: ``--standalone``, one machine)."""
         env = dict(os.environ)
         if restarts:
             # torch 2.13's torchrun keeps one store across restarts, so a restarted group can read the dead
             # attempt's addresses and fail or hang (pytorch#135712); a store per attempt avoids it.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
+            sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]),
+            "--nproc-per-node", str(stages),
             "--max-restarts", str(restarts), "-m", module, *flags,
         ]  # fmt: skip
         self.out, self.err = log.with_suffix(".out"), log.with_suffix(".err")

@@ -129,7 +129,7 @@ def save(
     # DCP's save returns on rank 0 after every rank reported its file written and the metadata is on
     # disk, so the checkpoint is complete when rank 0 renames it.
     if comms.get_rank() == 0:
-        _write_json(partial / RUN_FILE, {**run, "step": position.step, "stages": comms.get_world_size()})
+        _write_json(partial / RUN_FILE, {"stages": comms.get_world_size(), **run, "step": position.step})
         os.replace(partial, final)
         _sync_directory(final.parent)
     return final

@@ -42,6 +42,22 @@ def check_values(config) -> None:
         _at_least("chunks", config.chunks, 1)
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
+    _check_data_parallel(config)
+
+
+def _check_data_parallel(config) -> None:
+    _at_least("dp", config.dp, 1)
+    if config.data_parallel not in ("fsdp", "ddp"):
+        raise ValueError(f"--data-parallel must be fsdp or ddp, got {config.data_parallel!r}")
+    if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
+        raise ValueError(f"--clip-grad-norm must be > 0, got {config.clip_grad_norm}")
+    smallest_shard = config.batch_size // config.dp
+    if config.dp > 1 and smallest_shard < config.microbatches:
+        raise ValueError(
+            f"--batch-size {config.batch_size} is the global batch: split over --dp {config.dp} replicas, "
+            f"a replica gets {smallest_shard} sample(s), fewer than --microbatches {config.microbatches} "
+            f"(use a batch of at least {config.dp * config.microbatches})"
+        )
 
 
 def agree(config) -> None:

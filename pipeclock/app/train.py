@@ -35,6 +35,7 @@ from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.models.registry import describe, same_model
 from pipeclock.models.text import bits_per_byte
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
+from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh, pp_rank, shard_of
 
 # Per model, the defaults of the fields left at None. The MLP is wide enough that each micro-batch's
 # compute dwarfs the cost of a message, so the measured bubble is the schedule's, yet a run takes about
@@ -71,6 +72,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
+    data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
+    clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:
@@ -159,14 +163,11 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     For a language model ``on_eval(steps_done, loss)`` follows each validation (every ``eval_every``
     steps and after the last).
     """
-    rank, world = comms.init(timeout=config.timeout)
+    comms.init(timeout=config.timeout)
     agree(config)
     _check_checkpointing(config)
     task = make_task(config)
-    modules = build_stage(config, rank, world, task)
-    pipe = Pipeline(
-        modules, config.table(world), config.microbatches, task.loss_fn, measure_memory=config.measure_memory
-    )
+    pipe, modules, shard = _build_pipeline(config, task)
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
     start = resumed.step if resumed else 0
@@ -178,13 +179,15 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     for step in range(start, config.steps):
         inputs, targets = task.batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(pipe.step(inputs, targets))
+        losses.append(pipe.step(inputs[shard], targets[shard]))
+        if config.clip_grad_norm is not None:
+            clip_grad_norm(pipe, config.clip_grad_norm)
         optimizer.step()
         records.append(pipe.last)
         if on_step:
             on_step(step, losses[-1])
         if _evaluation_due(config, task, step + 1):
-            validation.append((step + 1, _validate(pipe, task)))
+            validation.append((step + 1, _validate(pipe, task, shard)))
             if on_eval:
                 on_eval(*validation[-1])
         if _checkpoint_due(config, step + 1):
@@ -196,6 +199,40 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     return result
 
 
+def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.Module], slice]:
+    """This rank's pipeline, the modules it holds (as built), and its replica's slice of each batch.
+
+    With ``dp`` > 1 the world is a (dp, pp) mesh: the pipeline runs on its "pp" group and FSDP2 or DDP
+    keeps the replicas in step over the "dp" group.
+    """
+    world = comms.get_world_size()
+    if config.dp == 1:
+        modules = build_stage(config, comms.get_rank(), world, task)
+        pipe = Pipeline(
+            modules,
+            config.table(world),
+            config.microbatches,
+            task.loss_fn,
+            measure_memory=config.measure_memory,
+        )
+        return pipe, modules, slice(None)
+    mesh = init_mesh(config.dp)
+    pp = world // config.dp
+    modules = build_stage(config, pp_rank(mesh), pp, task)
+    replicas = data_parallel(modules, mesh, config.data_parallel)
+    pipe = Pipeline(
+        replicas.chunks,
+        config.table(pp),
+        config.microbatches,
+        task.loss_fn,
+        measure_memory=config.measure_memory,
+        group=mesh.get_group("pp"),
+        replicas=replicas,
+    )
+    shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
+    return pipe, replicas.modules, slice(shard.start, shard.stop)
+
+
 def _evaluation_due(config: TrainConfig, task, steps_done: int) -> bool:
     if not task.validation:
         return False
@@ -203,9 +240,9 @@ def _evaluation_due(config: TrainConfig, task, steps_done: int) -> bool:
     return steps_done == config.steps or (every > 0 and steps_done % every == 0)
 
 
-def _validate(pipe: Pipeline, task) -> float:
-    """The mean loss over the task's held-out batches, forward only."""
-    losses = [pipe.evaluate(inputs, targets) for inputs, targets in task.validation]
+def _validate(pipe: Pipeline, task, shard: slice) -> float:
+    """The mean loss over the task's held-out batches, forward only (each replica its shard)."""
+    losses = [pipe.evaluate(inputs[shard], targets[shard]) for inputs, targets in task.validation]
     return sum(losses) / len(losses)
 
 
@@ -246,15 +283,24 @@ def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Positio
             wanted_model = wanted_model.split(" ", 1)[1]
         raise ValueError(f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}")
     position = checkpoint.load(found, modules, optimizer)
-    _say(
-        f"resumed from {found} at step {position.step} "
-        f"(saved by {saved['stages']} stage(s), now {comms.get_world_size()})"
-    )
+    before = _layout(saved["stages"], saved.get("replicas", 1))
+    now = _layout(comms.get_world_size() // config.dp, config.dp).removesuffix(" stage(s)")
+    _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
     return position
 
 
+def _layout(stages: int, replicas: int) -> str:
+    return f"{stages} stage(s)" + (f" x {replicas} replicas" if replicas > 1 else "")
+
+
 def _save(config: TrainConfig, task, position: checkpoint.Position, modules, optimizer) -> None:
-    run = {**task.run_info(), "schedule": config.schedule, "chunks": config.chunks_per_rank()}
+    run = {
+        **task.run_info(),
+        "schedule": config.schedule,
+        "chunks": config.chunks_per_rank(),
+        "stages": comms.get_world_size() // config.dp,
+        "replicas": config.dp,
+    }
     path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)
     _say(f"checkpoint saved: {path} (step {position.step})")
 

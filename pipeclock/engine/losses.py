@@ -19,8 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipeclock.engine.microbatch import loss_weights
-
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
@@ -55,13 +53,21 @@ def counts_what(loss_fn: LossFn) -> bool:
     return callable(getattr(loss_fn, "count", None))
 
 
-def loss_scales(loss_fn: LossFn, targets: Sequence[Any], sizes: Sequence[int]) -> list[float]:
+def loss_scales(
+    loss_fn: LossFn,
+    targets: Sequence[Any],
+    sizes: Sequence[int],
+    global_total: Callable[[int], int] = int,
+) -> list[float]:
     """The factor each micro-batch's loss is multiplied by so that they add up to the batch's mean.
 
     Summed losses are divided by the batch's total count (a batch with nothing counted has no mean: the
-    loss is NaN, as on one device); mean losses are weighted by their share of the samples.
+    loss is NaN, as on one device); mean losses are weighted by their share of the samples. With data
+    parallelism this rank's batch is one shard of the global batch: ``global_total`` turns this shard's
+    total (samples or counted tokens) into the global batch's, so the shards' losses add up to its mean.
     """
     if not counts_what(loss_fn):
-        return loss_weights(list(sizes))
-    total = sum(loss_fn.count(target) for target in targets)  # type: ignore[attr-defined]
+        samples = global_total(sum(sizes))
+        return [size / samples for size in sizes]
+    total = global_total(sum(loss_fn.count(target) for target in targets))  # type: ignore[attr-defined]
     return [1.0 / total if total else float("nan")] * len(targets)

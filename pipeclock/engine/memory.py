@@ -20,8 +20,8 @@ class ActivationMeter:
     """Measures and tracks the activation bytes of the micro-batches in flight on one rank."""
 
     def __init__(self, modules: Iterable[nn.Module]):
-        # A saved weight is often a view (``weight.t()``) starting where the parameter does.
-        self._parameter_pointers = {p.data_ptr() for m in modules for p in m.parameters()}
+        self._modules = list(modules)
+        self._parameter_pointers: set[int] = set()
         self._bytes: dict[object, int] = {}
         self.live = 0
         self.peak = 0
@@ -35,6 +35,9 @@ class ActivationMeter:
     def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
         """Count what autograd saves inside the block, plus the tensors in ``stashed`` (read at exit)."""
         saved: list[tuple[int, int]] = []
+        # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
+        # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
+        self._parameter_pointers = {p.data_ptr() for m in self._modules for p in m.parameters()}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as

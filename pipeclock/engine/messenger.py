@@ -54,10 +54,12 @@ class _Incoming:
 class Messenger:
     """This rank's messages for one pipeline: sends in flight, receives posted, layouts learned."""
 
-    def __init__(self, rank: int, placement: Placement):
+    def __init__(self, rank: int, placement: Placement, peers: list[int] | None = None):
+        """``rank`` is this rank in the pipeline; ``peers`` the global rank of each (default: the same)."""
         if placement.num_virtual > MAX_STAGES:
             raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {placement.num_virtual}")
-        self.rank, self.placement = rank, placement
+        self.peers = list(range(placement.num_ranks)) if peers is None else peers
+        self.rank, self.placement = self.peers[rank], placement  # global ranks from here on
         self._layouts: dict[tuple[int, int], pytree.Layout] = {}
         self._announced: set[tuple[int, int]] = set()
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
@@ -65,9 +67,10 @@ class Messenger:
         self._local: dict[tuple[int, int, int], object] = {}
         self._sends: list[comms.PendingSend] = []
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
+        self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
     def _rank_of(self, stage: int) -> int:
-        return self.placement.owner(stage)[0]
+        return self.peers[self.placement.owner(stage)[0]]
 
     # --- sending ---------------------------------------------------------------------------------------
 
@@ -83,11 +86,11 @@ class Messenger:
             self._announced.add((target, size))
             header = pytree.encode_header(output, comms.device())
             tag = message_tag(HEADER, target, microbatch)
-            self._sends.append(comms.isend(header, dest, tag, "sending an activation's structure"))
+            self._send(comms.isend(header, dest, tag, "sending an activation's structure"))
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
         for leaf_index, leaf in enumerate(pytree.leaves(output)):
             tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
-            self._sends.append(comms.isend(leaf, dest, tag, what))
+            self._send(comms.isend(leaf, dest, tag, what))
         self._forget_finished_sends()
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
@@ -100,7 +103,7 @@ class Messenger:
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
         for leaf_index, grad in enumerate(grads):
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
-            self._sends.append(comms.isend(grad, dest, tag, what))
+            self._send(comms.isend(grad, dest, tag, what))
         self._forget_finished_sends()
 
     def _forget_finished_sends(self) -> None:
@@ -172,6 +175,10 @@ class Messenger:
         return f"receiving the {_KIND_NAMES[kind]} of micro-batch {microbatch} for stage {stage}"
 
     # --- the end of a step -----------------------------------------------------------------------------
+
+    def _send(self, pending: comms.PendingSend) -> None:
+        self._sends.append(pending)
+        self.sent_bytes += pending.tensor.numel() * pending.tensor.element_size()
 
     def finish(self) -> None:
         """Wait for every send of this step; nothing may be left half-received."""

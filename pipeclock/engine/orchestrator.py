@@ -25,6 +25,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,6 +46,7 @@ from pipeclock.engine.losses import LossFn, loss_scales
 from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
+from pipeclock.engine.replicas import Replicas, SinglePipeline
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span
@@ -62,6 +64,13 @@ class StepRecord:
     seconds: float
     spans: list[Span]
     peak_activation_bytes: int | None
+    syncs: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each dp gradient sum
+    sent_bytes: int = 0  # activations and gradients this rank sent to its pipeline neighbours
+
+    @property
+    def sync_seconds(self) -> float:
+        """Time spent summing gradients across data-parallel replicas."""
+        return sum(end - start for start, end in self.syncs)
 
 
 @dataclass
@@ -85,6 +94,11 @@ class Pipeline:
     ``count(targets)`` method (``TokenCrossEntropy``), the *sum* over what ``count`` counts, and the
     step divides by the batch's total count (a token mean exact under uneven padding). Stages may hand
     each other any pytree of tensors. Parameters marked with ``tie`` have their copies' gradients summed.
+
+    ``group`` is the process group of this pipeline's ranks (the ``"pp"`` dim of a mesh; default: the
+    whole world): stage indices are ranks in that group. ``replicas`` (from ``pipeclock.parallel``) are
+    the data-parallel copies of this pipeline: the batch given to ``step`` is then this replica's shard
+    of the global batch, and the returned loss is the global batch's.
     """
 
     def __init__(
@@ -95,8 +109,14 @@ class Pipeline:
         loss_fn: LossFn = F.mse_loss,
         *,
         measure_memory: bool = True,
+        group: dist.ProcessGroup | None = None,
+        replicas: Replicas | None = None,
     ):
-        self.rank, self.num_stages = comms.get_rank(), comms.get_world_size()
+        self.group = group
+        self.peers = _group_ranks(group)  # global rank of each pipeline rank
+        self.global_rank = comms.get_rank()
+        self.rank, self.num_stages = self.peers.index(self.global_rank), len(self.peers)
+        self.replicas = replicas or SinglePipeline()
         self.chunks = _as_chunks(stage_or_chunks)
         self.schedule_name = (
             schedule
@@ -113,14 +133,16 @@ class Pipeline:
         self.num_virtual = self.placement.num_virtual
         self.first_rank = self.placement.owner(0)[0]
         self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
-        self.messenger = Messenger(self.rank, self.placement)
+        self.messenger = Messenger(self.rank, self.placement, self.peers)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
         self.parameter_outputs = ParameterOutputs(self.chunks)
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
-        self.ties = TiedGradients(self.chunks)
-        _warn_about_batch_norm(self.rank, self.chunks)
+        self.ties = TiedGradients(self.chunks, group)
+        self.last_backward = self._last_backward_actions()
+        _warn_about_batch_norm(self.global_rank, self.chunks)
         self.steps_done = 0  # keys dropout masks by step; set it when resuming a run
+        self.first_sample = 0  # this replica's shard's place in the global batch
         self.last: StepRecord | None = None
 
     def _build_schedule(self, schedule, m: int | None) -> list[list[Action]]:
@@ -132,13 +154,15 @@ class Pipeline:
         if isinstance(schedule, list):
             table_m = 1 + max((a.microbatch for row in schedule for a in row), default=-1)
             if m is not None and m != table_m:
-                raise ValueError(f"rank {self.rank}: the schedule has {table_m} micro-batches, not {m}")
+                raise ValueError(
+                    f"rank {self.global_rank}: the schedule has {table_m} micro-batches, not {m}"
+                )
             m = table_m
         m = 8 if m is None else m
         if not isinstance(m, int) or not 1 <= m < MAX_MICROBATCHES:
             limit = MAX_MICROBATCHES - 1
             raise ValueError(
-                f"rank {self.rank}: num_microbatches must be an integer in 1..{limit}, got {m!r}"
+                f"rank {self.global_rank}: num_microbatches must be an integer in 1..{limit}, got {m!r}"
             )
         try:
             table = (
@@ -150,7 +174,7 @@ class Pipeline:
             self._check_placement(table)
             validate(table, self.num_stages, m, len(self.chunks))
         except ValueError as error:
-            raise ValueError(f"rank {self.rank}: {error}") from None
+            raise ValueError(f"rank {self.global_rank}: {error}") from None
         if not isinstance(schedule, str):
             simulate(table)  # a custom schedule must be able to finish: DeadlockError if not
         return table
@@ -165,6 +189,11 @@ class Pipeline:
                 f"the schedule gives this rank {held} chunk(s) (virtual stages {stages}), "
                 f"but {len(self.chunks)} module(s) were given"
             )
+
+    def _last_backward_actions(self) -> dict[int, int]:
+        """For each chunk, the index of the action after which its gradients are complete for the step."""
+        weights = "BW" if self.replicas.split_backward else "BI"
+        return {a.chunk: i for i, a in enumerate(self.actions) if a.op in weights}
 
     def _forward_order(self, action: Action) -> tuple[int, int]:
         """Evaluation runs each micro-batch through the stages in pipeline order, on every rank alike."""
@@ -182,12 +211,13 @@ class Pipeline:
         start = time.perf_counter()
         sizes = self._agree_on_batch(inputs, targets)
         self.ties.prepare()
+        self.replicas.begin_step()
         run = _StepRun(self, sizes, inputs, targets)
         run.run()
         self.ties.sync()
         loss = self._share_loss(run.loss)
         peak = self.meter.peak if self.meter else None
-        self.last = StepRecord(loss, time.perf_counter() - start, run.spans, peak)
+        self.last = StepRecord(loss, time.perf_counter() - start, run.spans, peak, run.syncs, run.sent_bytes)
         self.steps_done += 1
         return loss
 
@@ -209,6 +239,7 @@ class Pipeline:
         finally:
             for chunk, mode in zip(self.chunks, modes, strict=True):
                 chunk.train(mode)
+            self.replicas.end_evaluation()
         return self._share_loss(run.loss)
 
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
@@ -230,33 +261,54 @@ class Pipeline:
             device=self.device,
         )
         rows = (
-            [mine] if self.num_stages == 1 else comms.all_gather(mine, "agreeing on the batch and schedule")
+            [mine]
+            if self.num_stages == 1
+            else comms.all_gather(mine, "agreeing on the batch and schedule", self.group)
         )
         rows = [row.tolist() for row in rows]
         if any(row[:3] != rows[0][:3] for row in rows):
-            described = "; ".join(f"rank {r}: m={row[0]}, chunks={row[1]}" for r, row in enumerate(rows))
+            described = "; ".join(
+                f"rank {self.peers[r]}: m={row[0]}, chunks={row[1]}" for r, row in enumerate(rows)
+            )
             raise ValueError(
-                f"rank {self.rank}: ranks disagree on micro-batches, chunks or schedule ({described})"
+                f"rank {self.global_rank}: ranks disagree on micro-batches, chunks or schedule ({described})"
             )
         batch, target_batch = rows[self.first_rank][3], rows[self.last_rank][4]
         if batch < 0:
             raise ValueError(
-                f"rank {self.rank}: the first stage (rank {self.first_rank}) was given no inputs tensor"
+                f"rank {self.global_rank}: the first stage (rank {self.peers[self.first_rank]}) "
+                "was given no inputs tensor"
             )
         if target_batch < 0:
-            raise ValueError(f"rank {self.rank}: the last stage (rank {self.last_rank}) was given no targets")
+            raise ValueError(
+                f"rank {self.global_rank}: the last stage (rank {self.peers[self.last_rank]}) "
+                "was given no targets"
+            )
         if batch != target_batch:
-            raise ValueError(f"rank {self.rank}: {batch} inputs but {target_batch} targets in the batch")
+            raise ValueError(
+                f"rank {self.global_rank}: {batch} inputs but {target_batch} targets in the batch"
+            )
         try:
-            return microbatch_sizes(batch, self.num_microbatches)
+            sizes = microbatch_sizes(batch, self.num_microbatches)
         except ValueError as error:
-            raise ValueError(f"rank {self.rank}: {error}") from None
+            raise ValueError(f"rank {self.global_rank}: {error}") from None
+        self.first_sample = self.replicas.first_sample(batch)
+        return sizes
 
     def _share_loss(self, loss: torch.Tensor | None) -> float:
-        if self.num_stages == 1:
-            return float(loss)
+        """The global batch's loss on every rank: summed over the replicas, sent from the last stage."""
         value = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
-        return float(comms.broadcast(value, self.last_rank, "sharing the loss"))
+        if self.rank == self.last_rank:
+            value = self.replicas.total(value, "summing the replicas' losses")
+        if self.num_stages > 1:
+            last = self.peers[self.last_rank]
+            value = comms.broadcast(value, last, "sharing the loss", self.group)
+        return float(value)
+
+    def global_total(self, local: int) -> int:
+        """A count (samples or tokens) summed over the data-parallel replicas' shards of the batch."""
+        value = torch.tensor(local, dtype=torch.int64, device=self.device)
+        return int(self.replicas.total(value, "adding up the global batch"))
 
 
 class _StepRun:
@@ -265,15 +317,16 @@ class _StepRun:
     def __init__(self, pipe: Pipeline, sizes: list[int], inputs, targets, training: bool = True):
         self.pipe, self.sizes, self.training = pipe, sizes, training
         self.actions = pipe.actions if training else pipe.forward_actions
-        self.first_samples = [sum(sizes[:mb]) for mb in range(len(sizes))]
+        self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
         self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
         self.targets = None
         if pipe.rank == pipe.last_rank:
             self.targets = pytree.split(targets, sizes, pipe.device)
-            self.scales = loss_scales(pipe.loss_fn, self.targets, sizes)
+            self.scales = loss_scales(pipe.loss_fn, self.targets, sizes, pipe.global_total)
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.loss: torch.Tensor | None = None
         self.spans: list[Span] = []
+        self.syncs: list[tuple[float, float]] = []
         self.meter = pipe.meter
         if self.meter:
             self.meter.reset()
@@ -293,29 +346,50 @@ class _StepRun:
             self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
 
     def run(self) -> None:
+        self.pipe.messenger.sent_bytes = 0
         self.prefetch(0)
         for index, action in enumerate(self.actions):
             self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
+            self.index = index
             self.execute(action)
+            replicated = self.pipe.replicas.group is not None
+            if replicated and self.training and self.pipe.last_backward.get(action.chunk) == index:
+                self.sync_replicas(action.chunk)
         self.pipe.messenger.finish()
+        self.sent_bytes = self.pipe.messenger.sent_bytes
+
+    def sync_replicas(self, chunk: int) -> None:
+        """The chunk's gradients are complete: the data-parallel engine sums them across replicas."""
+        start = time.perf_counter()
+        self.pipe.replicas.after_last_backward(chunk)
+        self.syncs.append((start, time.perf_counter()))
 
     def execute(self, action: Action) -> None:
         messenger = self.pipe.messenger
         messenger.wait_seconds = 0.0
         start = time.perf_counter()
         try:
-            {"F": self.forward, "B": self.backward, "I": self.backward, "W": self.weight}[action.op](action)
+            self.run_action(action)
         except comms.CommError:
             raise
         except Exception as error:
             stage = self._stage(action)
             raise StageError(
-                f"rank {self.pipe.rank}: {action} (virtual stage {stage}) failed: {error}"
+                f"rank {self.pipe.global_rank}: {action} (virtual stage {stage}) failed: {error}"
                 + self._input_note(action)
             ) from error
         if self.pipe.device.type == "cuda":
             torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
-        self.spans.append(Span(self.pipe.rank, action, start, time.perf_counter(), messenger.wait_seconds))
+        end = time.perf_counter()
+        self.spans.append(Span(self.pipe.global_rank, action, start, end, messenger.wait_seconds))
+
+    def run_action(self, action: Action) -> None:
+        if action.op == "F":
+            self.forward(action)
+        elif action.op in "BI":
+            self.backward(action)
+        elif self.pipe.replicas.split_backward:  # else W's work was done by its I, run whole
+            self.weight(action)
 
     def _input_note(self, action: Action) -> str:
         """For a failed forward: what the previous stage handed over, which names both stages."""
@@ -379,10 +453,16 @@ class _StepRun:
             received = pipe.messenger.receive_gradient(stage, mb, stash.output)
             roots, grads = gradient_roots(pytree.gradient_leaves(stash.output), received)
         inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
-        deferred = action.op == "I"  # the weights' half waits for a W
+        replicas = pipe.replicas
+        deferred = action.op == "I" and replicas.split_backward  # the weights' half waits for a W
+        if not replicas.split_backward and pipe.last_backward[action.chunk] == self.index:
+            replicas.before_last_backward(action.chunk, roots)
+        whole = not replicas.split_backward
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
         # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        if not deferred and (pipe.parameter_outputs.keeps_graph or modified_in_place(stash.captured)):
+        if whole or (
+            not deferred and (pipe.parameter_outputs.keeps_graph or modified_in_place(stash.captured))
+        ):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
@@ -407,6 +487,13 @@ class _StepRun:
         del self.stash[(mb, chunk)]
         if self.meter:
             self.meter.release((mb, chunk))
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` in group order (the whole world for None)."""
+    if group is None or not dist.is_initialized():
+        return list(range(comms.get_world_size()))
+    return dist.get_process_group_ranks(group)
 
 
 def _copy_floats(tree):
@@ -438,6 +525,7 @@ def _starts_in_place(module: nn.Module) -> bool:
 
     The received activation is a leaf that autograd must not see modified, so such a chunk is fed a copy.
     """
+    module = getattr(module, "module", module)  # inside a DDP wrapper
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
     return bool(getattr(module, "inplace", False))

@@ -55,33 +55,46 @@ class _Tie:
 
 
 class TiedGradients:
-    """Sums the gradients of every tied weight over its copies; every rank creates one, together."""
+    """Sums the gradients of every tied weight over its copies; every rank creates one, together.
 
-    def __init__(self, modules: Iterable[nn.Module]):
+    ``group`` is the pipeline's process group (default: the world). With data-parallel replicas each
+    replica's copies are summed among themselves, over groups that every rank of the world creates.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], group: dist.ProcessGroup | None = None):
         self.local = tied_parameters(modules)
+        self.group = group
         self.ties: list[_Tie] | None = None  # found on the first sync: a collective every rank joins
 
     def _connect(self) -> list[_Tie]:
         rank = comms.get_rank()
-        holders = comms.all_gather_object(sorted(self.local), "finding the ranks that share tied weights")
+        pipeline = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        holders = comms.all_gather_object(
+            sorted(self.local), "finding the ranks that share tied weights", self.group
+        )
+        pipelines = [list(range(len(holders)))]
+        if pipeline is not None:  # every replica's pipeline, so that every rank creates every group
+            found = comms.all_gather_object(pipeline, "finding the pipelines of the mesh")
+            pipelines = sorted({tuple(p) for p in found})
         ties = []
         for key in sorted({key for keys in holders for key in keys}):
-            ranks = [r for r, keys in enumerate(holders) if key in keys]
-            group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank calls new_group
-            if rank in ranks:
-                ties.append(_Tie(key, self.local[key], ranks, group))
+            stages = [s for s, keys in enumerate(holders) if key in keys]
+            for ranks in ([p[s] for s in stages] for p in pipelines):
+                group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank calls new_group
+                if rank in ranks:
+                    ties.append(_Tie(key, self.local[key], ranks, group))
         for tied in ties:
             self._make_equal(tied)
         return ties
 
     @staticmethod
     def _make_equal(tied: _Tie) -> None:
-        first = tied.copies[0]
+        first = _local(tied.copies[0].data)
         with torch.no_grad():
             if tied.group is not None:
-                comms.broadcast(first.data, tied.ranks[0], f"sharing the tied weight {tied.key}", tied.group)
+                comms.broadcast(first, tied.ranks[0], f"sharing the tied weight {tied.key}", tied.group)
             for copy in tied.copies[1:]:
-                copy.copy_(first)
+                _local(copy.data).copy_(first)
 
     def prepare(self) -> None:
         """Before the first forward: find who holds which tie, and make the copies equal."""
@@ -91,10 +104,25 @@ class TiedGradients:
     def sync(self) -> None:
         """After the backward: every copy's ``.grad`` becomes the sum over all copies (one device's)."""
         self.prepare()
+        with torch.no_grad():
+            self._sum_copies()
+
+    def _sum_copies(self) -> None:
         for tied in self.ties:
-            grads = [copy.grad for copy in tied.copies if copy.grad is not None]
-            total = sum(grads[1:], grads[0].clone()) if grads else torch.zeros_like(tied.copies[0])
+            for copy in tied.copies:
+                if copy.grad is None:
+                    copy.grad = torch.zeros_like(copy)
+            grads = [_local(copy.grad) for copy in tied.copies]
+            total = sum(grads[1:], grads[0].clone())
             if tied.group is not None:
                 comms.all_reduce(total, f"summing the gradients of the tied weight {tied.key}", tied.group)
-            for copy in tied.copies:
-                copy.grad = total if len(tied.copies) == 1 else total.clone()
+            for grad in grads:
+                grad.copy_(total)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the shard of a data-parallel (FSDP2) DTensor, else the tensor.
+
+    Copies of a tie are sharded alike over the same replicas, so summing shard by shard is summing whole.
+    """
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -9,6 +9,7 @@ the simulator produces), from which busy %, bubble and step time are read.
 
 from __future__ import annotations
 
+import socket
 import statistics
 import threading
 import time
@@ -93,6 +94,7 @@ class RankRun:
     peak_rss: int
     gpu_utilization: float | None = None
     cuda_peak_bytes: int | None = None
+    host: str = ""  # the machine (node) this rank ran on
 
 
 @dataclass
@@ -139,6 +141,19 @@ class RunReport:
             sum(s.wait for s in t.spans_of(rank)) / t.makespan for t in self.measured if t.makespan
         )
 
+    def sync_fraction(self, rank: int) -> float:
+        """Share of the step this rank spent summing gradients across data-parallel replicas."""
+        steps = self.ranks[rank].steps[self.warmup :]
+        return statistics.fmean(s.sync_seconds / s.seconds for s in steps if s.seconds)
+
+    @property
+    def data_parallel(self) -> bool:
+        return any(step.syncs for run in self.ranks for step in run.steps)
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({run.host for run in self.ranks})
+
     def peak_activation_bytes(self, rank: int) -> int | None:
         peaks = [s.peak_activation_bytes for s in self.ranks[rank].steps]
         return None if None in peaks else max(peaks)  # type: ignore[type-var]
@@ -151,7 +166,13 @@ def gather_run(
     meter.sample_rss()
     cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     mine = RankRun(
-        comms.get_rank(), steps, meter.cpu_percent(), meter.peak_rss, gpu and gpu.stop(), cuda_peak
+        comms.get_rank(),
+        steps,
+        meter.cpu_percent(),
+        meter.peak_rss,
+        gpu and gpu.stop(),
+        cuda_peak,
+        socket.gethostname(),
     )
     gathered = comms.gather_object(mine, "gathering the run's measurements")
     return RunReport(gathered, chunks=chunks) if gathered is not None else None  # type: ignore[arg-type]

@@ -39,7 +39,7 @@ def predicted_timeline(report: RunReport, schedule: Schedule) -> Timeline:
 
 def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, batch_size: int) -> list[str]:
     """The end-of-run table: throughput, bubble against the formula, and per-rank busy/memory/CPU."""
-    p, chunks = report.timelines[0].num_ranks, report.chunks
+    p, chunks = len(schedule), report.chunks  # the pipeline's ranks (a replica's, with dp > 1)
     m = report.timelines[0].num_microbatches
     step = report.step_seconds
     formula = bubble_formula(schedule_name, p, m, chunks) if schedule_name in SCHEDULES else None
@@ -51,8 +51,11 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
         + (f"; formula {bubble_formula_text(schedule_name)} = {formula:.1%}" if formula is not None else "")
         + f"; simulated with the measured op times {predicted.bubble_share:.1%}",
         "",
-        "rank   busy   comm wait   CPU    peak activations   peak RSS",
     ]
+    wide = report.data_parallel or len(report.hosts) > 1
+    lines.append(
+        "rank   busy   comm wait   CPU    peak activations   peak RSS" + ("   dp sync   node" if wide else "")
+    )
     for rank, run in enumerate(report.ranks):
         peak = report.peak_activation_bytes(rank)
         lines.append(
@@ -60,8 +63,25 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
             f"{run.cpu_percent:4.0f}%  {_mib(peak):>15}   {run.peak_rss / MIB:6.0f} MiB"
             + (f"   GPU {run.gpu_utilization:.0f}%" if run.gpu_utilization is not None else "")
             + (f"   CUDA peak {_mib(run.cuda_peak_bytes)}" if run.cuda_peak_bytes is not None else "")
+            + (f"  {report.sync_fraction(rank):7.1%}   {run.host}" if wide else "")
         )
+    if wide:
+        lines += ["", *_communication_lines(report)]
     return lines
+
+
+def _communication_lines(report: RunReport) -> list[str]:
+    """Where the communication time went: pipeline messages against the replicas' gradient sums."""
+    ranks = range(len(report.ranks))
+    waits = statistics.fmean(report.wait_fraction(rank) for rank in ranks)
+    syncs = statistics.fmean(report.sync_fraction(rank) for rank in ranks)
+    by_host = {host: [r.rank for r in report.ranks if r.host == host] for host in report.hosts}
+    nodes = "; ".join(f"{host}: ranks {', '.join(map(str, ranks))}" for host, ranks in by_host.items())
+    return [
+        f"communication    waiting for pp messages {waits:.1%} of the step, dp gradient sums {syncs:.1%} "
+        "(mean over ranks)",
+        f"nodes            {len(by_host)}: {nodes}",
+    ]
 
 
 def side_by_side(names: Sequence[str], rows: dict[str, Sequence[str]]) -> list[str]:
@@ -87,6 +107,11 @@ def write_trace(report: RunReport, path: str | Path) -> Path:
     trace = Timeline(shifted, num_ranks=len(report.ranks), chunks=report.chunks).to_chrome_trace(
         time_unit_us=1e6
     )
+    trace["traceEvents"] += [
+        {"name": "dp sync", "cat": "dp", "ph": "X", "pid": run.rank, "tid": 1,
+         "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6}
+        for run in report.ranks for step in run.steps for start, end in step.syncs
+    ]  # fmt: skip
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace))

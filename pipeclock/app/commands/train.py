@@ -88,6 +88,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout, help="seconds any blocking call may wait"
     )
+    parser.add_argument(
+        "--dp", type=int, default=defaults.dp, metavar="N",
+        help="data-parallel replicas of the pipeline: the processes form a (dp, pp) mesh, pp = processes / N "
+        "(default 1); each replica takes a contiguous shard of --batch-size, which stays the global batch",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel", default=defaults.data_parallel, choices=["fsdp", "ddp"],
+        help="what keeps the replicas in step: fsdp (FSDP2, parameters and optimizer state sharded over "
+        "the replicas; default) or ddp (full copies)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip-grad-norm", type=float, metavar="X",
+        help="scale the gradients so that the whole model's norm (every stage, every replica, counted "
+        "once) is at most X, as clip_grad_norm_ on one process",
+    )  # fmt: skip
     parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
     parser.add_argument(
@@ -138,7 +153,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
         print(f"nothing to train: the checkpoint is at step {result.first_step}, --steps is {config.steps}")
         print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
         return 0
-    table = schedule_table(config, world)
+    table = schedule_table(config, world // config.dp)
     if result.validation:
         print("\n" + "\n".join(_validation_lines(result.validation, LanguageTask(config))))
     print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size)))
@@ -192,7 +207,9 @@ def _headline(config: TrainConfig, world: int) -> str:
     model = f"ShardedMLP {config.layers} x {config.hidden}"
     if config.model == "gpt":
         model = f"GPT {config.layers} blocks x {config.dim} ({config.heads} heads, seq {config.seq_len})"
+    replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
+    per_mb /= config.dp
     return (
-        f"pipeclock train: {config.schedule}, {world} stage(s) x {chunks} chunk(s), {config.microbatches} "
-        f"micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps"
+        f"pipeclock train: {config.schedule}, {world // config.dp} stage(s) x {chunks} chunk(s){replicas}, "
+        f"{config.microbatches} micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps"
     )

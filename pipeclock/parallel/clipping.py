@@ -1,0 +1,76 @@
+"""Global gradient clipping: one norm over the whole model, whatever the (dp, pp) cut.
+
+On one process ``clip_grad_norm_`` takes the norm over every parameter. Pipelined, each rank holds
+some stages' parameters; with FSDP2 each holds a shard of them; a tied weight has a copy on two ranks.
+The norm's square is a sum of squares, so every rank adds the squares of what it alone accounts for
+(its shards, or its stages' full gradients on one replica; a tie's copy once) and one all-reduce adds
+the ranks' parts. Every rank then scales its gradients by the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipeclock import comms
+from pipeclock.engine.orchestrator import Pipeline
+from pipeclock.engine.ties import tie_key
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _counted_gradients(pipe: Pipeline) -> list[torch.Tensor]:
+    """This rank's gradients, a tied weight's once: on the lowest rank holding it, its first copy there."""
+    rank = comms.get_rank()
+    counting_rank = {tied.key: tied.ranks[0] for tied in pipe.ties.ties or []}
+    counted_ties: set[str] = set()
+    grads = []
+    for param in _distinct_parameters(pipe):
+        key = tie_key(param)
+        if param.grad is None:
+            continue
+        if key is not None:
+            if counting_rank.get(key, rank) != rank or key in counted_ties:
+                continue
+            counted_ties.add(key)
+        grads.append(_local(param.grad))
+    return grads
+
+
+def _distinct_parameters(pipe: Pipeline) -> list[torch.nn.Parameter]:
+    found: dict[int, torch.nn.Parameter] = {}
+    for chunk in pipe.chunks:
+        for param in chunk.parameters():
+            found.setdefault(id(param), param)
+    return list(found.values())
+
+
+def grad_norm(pipe: Pipeline) -> float:
+    """The 2-norm of the whole model's gradient, on every rank (after ``pipe.step``)."""
+    grads = _counted_gradients(pipe)
+    squares = torch.zeros((), dtype=torch.float64, device=pipe.device)
+    for grad in grads:
+        squares += grad.double().pow(2).sum()
+    # Sharded gradients: every rank's squares are its own. Replicated: one replica's pipeline suffices.
+    group = None if pipe.replicas.shards_gradients else pipe.group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        comms.all_reduce(squares, "adding up the gradient norm", group)
+    return float(squares.sqrt())
+
+
+def clip_grad_norm(pipe: Pipeline, max_norm: float) -> float:
+    """Scale every gradient so that the whole model's norm is at most ``max_norm``; returns the norm.
+
+    The same factor as ``torch.nn.utils.clip_grad_norm_`` on one process: ``max_norm / (norm + 1e-6)``,
+    applied only when below 1.
+    """
+    norm = grad_norm(pipe)
+    factor = max_norm / (norm + 1e-6)
+    if factor < 1.0:
+        with torch.no_grad():
+            for param in _distinct_parameters(pipe):
+                if param.grad is not None:
+                    _local(param.grad).mul_(factor)
+    return norm

@@ -1,0 +1,181 @@
+"""Data-parallel replicas of a pipeline, kept in step by PyTorch's own engines: FSDP2 or DDP.
+
+Each replica runs the whole schedule on its shard of the global batch; a chunk's gradients are summed
+across replicas once per step, right after that chunk's last backward (``W`` in split schedules), not
+after every micro-batch. Both engines are told to *sum* (not average): every replica's loss is already
+weighted by its share of the global batch (``pipeclock.engine.losses``), so the sum is the one-device
+gradient even when the shards differ in size or in counted tokens.
+
+FSDP2 (``fully_shard`` on the dp sub-mesh) is the default: parameters, gradients and optimizer state are
+sharded across replicas, and gathered for the step. Its gradient hooks fire on a module's *input*
+gradient, which in a split backward arrives before the weights' (``W``): so every backward runs with
+sync off, and the chunk's reduce-scatter is started by hand after its last ``W``, as torch's own
+pipelining does.
+
+DDP keeps full copies. Its hooks fire as autograd accumulates each ``.grad``, within one backward call,
+and it decides to sync at the *forward*: with all forwards before the backwards (GPipe), ``no_sync``
+alone would sync on the wrong backward. So forwards run unsynced, and DDP is told just before a chunk's
+last backward which outputs it starts from. Because the engine's ``W`` writes ``.grad`` itself, outside
+autograd, a DDP pipeline runs each backward whole (``W`` does nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeclock import comms
+from pipeclock.engine.ties import tie, tie_key
+
+DATA_PARALLEL = ("fsdp", "ddp")
+
+
+class _Replicas:
+    """What both engines share: the dp group, and sums over it."""
+
+    shards_gradients = False
+
+    def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh):
+        self.mesh = mesh["dp"]
+        self.group = self.mesh.get_group()
+        self.size = self.mesh.size()
+        self.modules = list(chunks)  # the chunks as built: what checkpoints save and optimizers update
+        self.chunks: list[nn.Module] = list(chunks)  # what the pipeline runs
+
+    def total(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        if self.size == 1:
+            return value
+        return comms.all_reduce(value, what, self.group)
+
+    def first_sample(self, batch_size: int) -> int:
+        if self.size == 1:
+            return 0
+        mine = torch.tensor([batch_size], dtype=torch.int64, device=comms.device())
+        sizes = comms.all_gather(mine, "agreeing on the replicas' shards of the batch", self.group)
+        return int(sum(sizes[: self.mesh.get_local_rank()]))
+
+    def begin_step(self) -> None:
+        pass
+
+    def before_last_backward(self, chunk: int, roots: list[torch.Tensor]) -> None:
+        pass
+
+    def after_last_backward(self, chunk: int) -> None:
+        pass
+
+    def end_evaluation(self) -> None:
+        pass
+
+
+class FullyShardedReplicas(_Replicas):
+    """FSDP2: each chunk one ``fully_shard`` unit over the dp sub-mesh, summed by reduce-scatter."""
+
+    split_backward = True
+    shards_gradients = True
+
+    def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh):
+        super().__init__(chunks, mesh)
+        for chunk in self.chunks:
+            ties = {name: tie_key(p) for name, p in chunk.named_parameters() if tie_key(p) is not None}
+            # Gathered once per step, not once per micro-batch: a pipeline runs each chunk m times.
+            fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False)
+            for name, param in chunk.named_parameters():  # the shards are new parameters: mark them again
+                if name in ties:
+                    tie(param, ties[name])
+            chunk.set_gradient_divide_factor(1.0)
+            chunk.set_force_sum_reduction_for_comms(True)  # a plain sum, which gloo also has
+
+    def begin_step(self) -> None:
+        for chunk in self.chunks:
+            chunk.set_requires_gradient_sync(False)
+            chunk.set_reshard_after_backward(False)
+            chunk.set_is_last_backward(False)
+
+    def after_last_backward(self, chunk: int) -> None:
+        module = self.chunks[chunk]
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
+        module.set_is_last_backward(True)
+        state = fully_shard.state(module)
+        for each in state._state_ctx.all_states:  # the hooks that autograd did not call at the right time
+            for param_group in each._fsdp_param_groups:
+                param_group.post_backward()
+        state._root_post_backward_final_callback()  # waits for the reduce-scatter; reshards
+
+    def end_evaluation(self) -> None:
+        for chunk in self.chunks:  # the forwards gathered the parameters; shards again, as after a step
+            chunk.reshard()
+
+
+class DistributedReplicas(_Replicas):
+    """DDP: full copies, summed by all-reduce in DDP's buckets during the last backward."""
+
+    split_backward = False
+
+    def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh):
+        super().__init__(chunks, mesh)
+        self.chunks = [self._wrap(chunk) for chunk in self.chunks]
+
+    def _wrap(self, chunk: nn.Module) -> DistributedDataParallel:
+        device_ids = [comms.device()] if comms.device().type == "cuda" else None
+        wrapped = DistributedDataParallel(
+            chunk, device_ids=device_ids, process_group=self.group, broadcast_buffers=False
+        )
+        wrapped.register_comm_hook(self.group, _sum_bucket)
+        wrapped.require_backward_grad_sync = False  # forwards never prepare a sync (see the module doc)
+        return wrapped
+
+    def before_last_backward(self, chunk: int, roots: list[torch.Tensor]) -> None:
+        self.chunks[chunk].reducer.prepare_for_backward(roots)
+
+
+def _sum_bucket(group, bucket):  # no annotations: DDP checks them at run time, and they are strings here
+    """DDP's all-reduce without its division by the number of replicas (the losses are weighted)."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda done: done.value()[0])
+
+
+def data_parallel(chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "fsdp") -> _Replicas:
+    """Make this rank's chunks one replica among the mesh's dp replicas; every rank calls it, together.
+
+    Give ``.chunks`` and the returned object to ``Pipeline(..., replicas=...)``; ``.modules`` are the
+    chunks as built (what to checkpoint). Build the optimizer after this call: FSDP2 replaces each
+    parameter by its shard.
+    """
+    if engine not in DATA_PARALLEL:
+        raise ValueError(f"rank {comms.get_rank()}: unknown data-parallel engine {engine!r}: use fsdp or ddp")
+    kind = FullyShardedReplicas if engine == "fsdp" else DistributedReplicas
+    _own_parameters(chunks)
+    return kind(chunks, mesh)
+
+
+def _own_parameters(chunks: Sequence[nn.Module]) -> None:
+    """A parameter shared by two chunks (a tie, both ends on one rank) becomes one copy per chunk.
+
+    Each chunk is its own FSDP2 or DDP unit and must own its parameters: shared, the tensor would be
+    summed across replicas twice. Copies keep their tie mark, so the pipeline sums their gradients.
+    """
+    owned_by_earlier: set[int] = set()
+    for chunk in chunks:
+        mine: set[int] = set()
+        for module in chunk.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) in owned_by_earlier:
+                    copy = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+                    key = tie_key(param)
+                    setattr(module, name, tie(copy, key) if key is not None else copy)
+                    param = copy
+                mine.add(id(param))
+        owned_by_earlier |= mine
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)

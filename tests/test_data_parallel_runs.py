@@ -1,0 +1,174 @@
+"""The main job on a (dp, pp) mesh: the same run on any layout, across two torchrun agents, clipped,
+resumed on another layout, and restarted after a rank dies.
+
+Every job trains the same small GPT for ten steps (dropout and the tied embedding included); each must
+follow the one-process Adam run with ``clip_grad_norm_`` to float tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeclock.app import checkpoint
+from pipeclock.engine import rng
+from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.models.gpt import GPTConfig, gpt_sequential
+from pipeclock.models.text import TextCorpus
+from tests.distributed import free_port
+from tests.test_checkpoint import Launch, _losses
+
+GPT = dict(model="gpt", dim=32, layers=4, heads=2, seq_len=32, batch_size=9, microbatches=2, dropout=0.1)
+STEPS, CLIP, LR = 10, 0.5, 3e-3
+
+
+def flags(**options) -> list[str]:
+    found = []
+    for name, value in {**GPT, "steps": STEPS, "clip_grad_norm": CLIP, "eval_batches": 1, **options}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is not None:
+            found += [flag] if value is True else [flag, str(value)]
+    return ["train", *found]
+
+
+def one_process_run() -> tuple[list[float], list[float]]:
+    """The reference: the whole GPT, one process, the whole batch; its losses and unclipped norms."""
+    config = GPTConfig(dim=32, layers=4, heads=2, seq_len=32, dropout=0.1, seed=0)
+    model, corpus, loss_fn = gpt_sequential(config), TextCorpus.default(), TokenCrossEntropy()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, targets = corpus.batch(step, GPT["batch_size"], config.seq_len, seed=0)
+        optimizer.zero_grad()
+        with rng.keyed(step, 0):
+            loss = loss_fn.mean(model(ids), targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@dataclass
+class Runs:
+    tmp: Path
+    logs: dict[str, str]
+
+    def losses(self, name: str) -> tuple[int, list[float]]:
+        return _losses(self.tmp / f"{name}.json")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[Runs]:
+    tmp = tmp_path_factory.mktemp("mesh")
+    started: list[Launch] = []
+
+    def job(name: str, processes: int, directory: str | None = None, **options) -> Launch:
+        options.setdefault("losses", tmp / f"{name}.json")
+        options.setdefault("checkpoint_dir", tmp / (directory or name))
+        restarts = options.pop("restarts", 0)
+        module = options.pop("module", "pipeclock")
+        rendezvous = options.pop("rendezvous", None)
+        argv = flags(**options)
+        if module != "pipeclock":
+            argv = ["7", *argv]  # tests.test_checkpoint kills local rank 1 after step 7 (once)
+        started.append(
+            Launch(tmp / name, processes, argv, restarts=restarts, module=module, rendezvous=rendezvous)
+        )
+        return started[-1]
+
+    def agent(node: int, endpoint: str) -> Launch:
+        rendezvous = [
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "two",
+        ]
+        # one checkpoint directory for both, as machines that share a file system would have
+        return job(f"node{node}", 1, "nodes", dp=2, losses=tmp / "nodes.json", rendezvous=rendezvous)
+
+    try:
+        endpoint = f"127.0.0.1:{free_port()}"
+        first = {
+            "dp2pp2": job("dp2pp2", 4, dp=2, checkpoint_every=5),
+            "dp4": job("dp4", 4, dp=4, data_parallel="ddp"),
+            "node0": agent(0, endpoint),
+            "node1": agent(1, endpoint),
+        }
+        logs = {name: launch.result() for name, launch in first.items()}
+        for name in ("to_dp1pp4", "to_dp4pp1"):
+            shutil.copytree(tmp / "dp2pp2", tmp / name)
+            shutil.rmtree(tmp / name / "step_000010")
+        second = {
+            "to_dp1pp4": job("to_dp1pp4", 4, dp=1, resume=True),
+            "to_dp4pp1": job("to_dp4pp1", 4, dp=4, resume=True),
+            "killed": job(
+                "killed", 4, dp=2, checkpoint_every=5, resume=True, restarts=1, module="tests.test_checkpoint"
+            ),
+        }
+        logs |= {name: launch.result() for name, launch in second.items()}
+        yield Runs(tmp, logs)
+    finally:
+        for launch in started:
+            launch.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], list[float]]:
+    return one_process_run()
+
+
+def test_the_reference_run_really_clips(reference):
+    losses, norms = reference
+    assert sum(norm > CLIP for norm in norms) >= STEPS // 2, norms
+    assert losses[-1] < losses[0] - 0.5, "the GPT learns"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2pp2", "dp4", "nodes"])
+def test_ten_clipped_steps_on_any_mesh_and_across_two_agents_follow_one_process(runs, reference, name):
+    first, losses = runs.losses(name)
+    assert first == 0 and losses == pytest.approx(reference[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_agents_joined_by_c10d_rendezvous_report_their_nodes_and_dp_time(runs):
+    log = runs.logs["node0"] + runs.logs["node1"]
+    assert "2 replicas (fsdp)" in log
+    assert re.search(r"^nodes\s+1: \S+: ranks 0, 1$", log, re.M), log
+    assert re.search(r"dp gradient sums \d+\.\d%", log), log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["to_dp1pp4", "to_dp4pp1"])
+def test_a_checkpoint_of_dp2_pp2_resumes_on_another_mesh_on_the_same_curve(runs, reference, name):
+    first, losses = runs.losses(name)
+    assert first == 5 and losses == pytest.approx(reference[0][5:], rel=1e-5)
+    assert "saved by 2 stage(s) x 2 replicas" in runs.logs[name]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_a_2d_run_is_restarted_and_resumes_from_the_checkpoint(runs, reference):
+    log = runs.logs["killed"]
+    assert len(re.findall(r"^resumed from .*step_000005 at step 5 ", log, re.M)) == 1
+    first, losses = runs.losses("killed")
+    assert first == 5 and losses == pytest.approx(reference[0][5:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_2d_checkpoint_holds_the_whole_model_trained_on_any_mesh(runs):
+    sharded, run = checkpoint.load_full_model(runs.tmp / "dp2pp2" / "step_000010")
+    replicated, _ = checkpoint.load_full_model(runs.tmp / "dp4" / "step_000010")
+    assert run["stages"] == 2 and run["replicas"] == 2
+    assert sharded.keys() == replicated.keys()
+    assert all(torch.allclose(sharded[key], replicated[key], atol=1e-5) for key in sharded)
