@@ -27,7 +27,8 @@ import psutil
 from benchmarks.launch import ROOT, torchrun
 
 RESULTS = ROOT / "benchmarks" / "results"
-HIDDEN, LAYERS, BATCH, MICROBATCHES = 1024, 16, 64, 8
+HIDDEN, LAYERS, MICROBATCHES = 1024, 16, 8
+BATCHES = (64, 256)  # samples per replica per step
 MB = 1e6
 
 
@@ -36,7 +37,7 @@ def _loopback_sent() -> int:
     return counters["lo"].bytes_sent if "lo" in counters else 0
 
 
-def worker(dp: int, engine: str, steps: int, output: Path) -> None:
+def worker(dp: int, engine: str, batch: int, steps: int, output: Path) -> None:
     """Train under torchrun; rank 0 writes the run's figures to ``output``."""
     from pipeclock import comms
     from pipeclock.app.train import TrainConfig, train
@@ -46,8 +47,8 @@ def worker(dp: int, engine: str, steps: int, output: Path) -> None:
     world = comms.get_world_size()
     pp = world // dp
     config = TrainConfig(
-        hidden=HIDDEN, layers=LAYERS, batch_size=BATCH * dp, microbatches=MICROBATCHES, steps=steps,
-        dp=dp, data_parallel=engine, measure_memory=False,
+        hidden=HIDDEN, layers=LAYERS, batch_size=batch * dp, microbatches=MICROBATCHES, steps=steps,
+        dp=dp, data_parallel=engine if dp > 1 else "fsdp", measure_memory=False,
     )  # fmt: skip
     marks: dict[int, int] = {}
 
@@ -65,6 +66,7 @@ def worker(dp: int, engine: str, steps: int, output: Path) -> None:
             "pp": pp,
             "engine": engine if dp > 1 else "none",
             "processes": world,
+            "batch_per_replica": batch,
             "cores": len(os.sched_getaffinity(0)),
             "step_ms": report.step_seconds * 1e3,
             "samples_per_s": config.batch_size / report.step_seconds,
@@ -85,17 +87,19 @@ RUNS = [(1, 2, "none"), (2, 4, "fsdp"), (2, 4, "ddp")]  # (dp, processes, engine
 
 
 def table(rows: list[dict]) -> list[str]:
-    alone = next(row for row in rows if row["dp"] == 1)
     lines = [
-        "| layout | engine | processes / cores | step | samples/s | weak-scaling efficiency | dp sum share "
+        "| batch per replica | layout | engine | processes / cores | step | samples/s "
+        "| weak-scaling efficiency | dp sum share "
         "| pp messages counted / formula | loopback bytes / formula |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
+        alone = next(r for r in rows if r["dp"] == 1 and r["batch_per_replica"] == row["batch_per_replica"])
         efficiency = row["samples_per_s"] / (row["dp"] * alone["samples_per_s"])
         formula = row["pp_bytes_formula"] + row["dp_bytes_formula"]
         lines.append(
-            f"| dp {row['dp']} x pp {row['pp']} | {row['engine']} | {row['processes']} / {row['cores']} "
+            f"| {row['batch_per_replica']} | dp {row['dp']} x pp {row['pp']} | {row['engine']} "
+            f"| {row['processes']} / {row['cores']} "
             f"| {row['step_ms']:.0f} ms | {row['samples_per_s']:.0f} | {efficiency:.0%} "
             f"| {row['sync_share']:.1%} "
             f"| {row['pp_bytes_counted'] / MB:.2f} / {row['pp_bytes_formula'] / MB:.2f} MB "
@@ -109,29 +113,22 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--engine", default="fsdp", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=BATCHES[0], help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run; the first is not measured")
     parser.add_argument("--out", type=Path, default=RESULTS / "data_parallel", help="results, without suffix")
     args = parser.parse_args()
     if args.worker:
-        worker(args.dp, args.engine, args.steps, args.out)
+        worker(args.dp, args.engine, args.batch, args.steps, args.out)
         return
     rows = []
-    for dp, processes, engine in RUNS:
-        part = args.out.with_suffix(f".{dp}.{engine}.part.json")
-        argv = [
-            "--worker",
-            "--dp",
-            str(dp),
-            "--engine",
-            engine,
-            "--steps",
-            str(args.steps),
-            "--out",
-            str(part),
-        ]
-        torchrun("benchmarks.data_parallel", processes, argv, timeout=900)
-        rows.append(json.loads(part.read_text()))
-        part.unlink()
+    for batch in BATCHES:
+        for dp, processes, engine in RUNS:
+            part = args.out.with_suffix(f".{batch}.{dp}.{engine}.part.json")
+            argv = ["--worker", "--dp", str(dp), "--engine", engine, "--batch", str(batch)]
+            argv += ["--steps", str(args.steps), "--out", str(part)]
+            torchrun("benchmarks.data_parallel", processes, argv, timeout=900)
+            rows.append(json.loads(part.read_text()))
+            part.unlink()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     text = "\n".join(table(rows)) + "\n"

@@ -172,3 +172,16 @@ def test_messages_per_rank_counts_each_activation_and_gradient_crossing_between_
     assert messages_per_rank(generate("zb-h1", 4, m)) == [2 * m, 4 * m, 4 * m, 2 * m], "W sends nothing"
     # two chunks on 2 ranks: virtual stages 0 1 2 3 alternate ranks, so all 3 boundaries cross
     assert messages_per_rank(generate("interleaved-1f1b", 2, m, 2)) == [3 * 2 * m, 3 * 2 * m]
+
+
+@pytest.mark.slow
+def test_lab10_replicas_give_the_one_process_loss_and_the_pipeline_sends_what_the_formula_says():
+    out = run_lab_command(10, "--hidden", "256", "--layers", "4", "--batch-size", "31", "--steps", "3")
+    assert out.startswith("$ torchrun --nproc-per-node 4 labs/10_data_parallel.py")
+    assert "replica 1  rank 2  -- rank 3" in out
+    losses = re.findall(r"^first-step loss  (\S+) \(one process, whole batch: (\S+)\)$", out, re.M)
+    assert len(losses) == 2 and all(ours == alone for ours, alone in losses), losses
+    counted = re.findall(r"^pp messages\s+(\S+) MB per step counted; .* = (\S+) MB$", out, re.M)
+    assert len(counted) == 2 and all(ours == formula for ours, formula in counted), counted
+    sums = re.findall(r"^  rank \d: (?:[FB]\d )+.*\[dp sum", out, re.M)
+    assert len(sums) == 4, "each rank of replica 0 sums its gradients after its backwards, with both engines"

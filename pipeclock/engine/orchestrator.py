@@ -69,8 +69,12 @@ class StepRecord:
 
     @property
     def sync_seconds(self) -> float:
-        """Time spent summing gradients across data-parallel replicas."""
-        return sum(end - start for start, end in self.syncs)
+        """Time during which gradients were being summed across replicas (overlapping sums once)."""
+        total, reached = 0.0, float("-inf")
+        for start, end in sorted(self.syncs):
+            total += max(0.0, end - max(start, reached))
+            reached = max(reached, end)
+        return total
 
 
 @dataclass
@@ -357,6 +361,7 @@ class _StepRun:
                 self.sync_replicas(action.chunk)
         self.pipe.messenger.finish()
         self.sent_bytes = self.pipe.messenger.sent_bytes
+        self.syncs += self.pipe.replicas.take_sync_times()
 
     def sync_replicas(self, chunk: int) -> None:
         """The chunk's gradients are complete: the data-parallel engine sums them across replicas."""

@@ -40,6 +40,9 @@ class Replicas(Protocol):
     def end_evaluation(self) -> None:
         """After a forward-only pass: no backward will release what the forwards gathered."""
 
+    def take_sync_times(self) -> list[tuple[float, float]]:
+        """(start, end) of the sums the engine ran by itself during the step's backwards (DDP's buckets)."""
+
     def total(self, value: torch.Tensor, what: str) -> torch.Tensor:
         """``value`` summed over the replicas (in place)."""
 
@@ -69,6 +72,9 @@ class SinglePipeline:
 
     def end_evaluation(self) -> None:
         pass
+
+    def take_sync_times(self) -> list[tuple[float, float]]:
+        return []
 
     def total(self, value: torch.Tensor, what: str) -> torch.Tensor:
         return value

@@ -21,6 +21,7 @@ autograd, a DDP pipeline runs each backward whole (``W`` does nothing).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +48,7 @@ class _Replicas:
         self.size = self.mesh.size()
         self.modules = list(chunks)  # the chunks as built: what checkpoints save and optimizers update
         self.chunks: list[nn.Module] = list(chunks)  # what the pipeline runs
+        self.sync_times: list[tuple[float, float]] = []  # sums the engine ran inside a backward
 
     def total(self, value: torch.Tensor, what: str) -> torch.Tensor:
         if self.size == 1:
@@ -71,6 +73,9 @@ class _Replicas:
 
     def end_evaluation(self) -> None:
         pass
+
+    def take_sync_times(self) -> list[tuple[float, float]]:
+        return []
 
 
 class FullyShardedReplicas(_Replicas):
@@ -104,13 +109,20 @@ class FullyShardedReplicas(_Replicas):
         module.set_is_last_backward(True)
         state = fully_shard.state(module)
         for each in state._state_ctx.all_states:  # the hooks that autograd did not call at the right time
-            for param_group in each._fsdp_param_groups:
+            for param_group in _param_groups(each):
                 param_group.post_backward()
         state._root_post_backward_final_callback()  # waits for the reduce-scatter; reshards
 
     def end_evaluation(self) -> None:
         for chunk in self.chunks:  # the forwards gathered the parameters; shards again, as after a step
             chunk.reshard()
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list from torch 2.12 on, one optional group before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 class DistributedReplicas(_Replicas):
@@ -127,18 +139,31 @@ class DistributedReplicas(_Replicas):
         wrapped = DistributedDataParallel(
             chunk, device_ids=device_ids, process_group=self.group, broadcast_buffers=False
         )
-        wrapped.register_comm_hook(self.group, _sum_bucket)
+        wrapped.register_comm_hook(self, _sum_bucket)
         wrapped.require_backward_grad_sync = False  # forwards never prepare a sync (see the module doc)
         return wrapped
 
     def before_last_backward(self, chunk: int, roots: list[torch.Tensor]) -> None:
         self.chunks[chunk].reducer.prepare_for_backward(roots)
 
+    def take_sync_times(self) -> list[tuple[float, float]]:
+        times, self.sync_times = self.sync_times, []
+        return times
 
-def _sum_bucket(group, bucket):  # no annotations: DDP checks them at run time, and they are strings here
-    """DDP's all-reduce without its division by the number of replicas (the losses are weighted)."""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda done: done.value()[0])
+
+def _sum_bucket(replicas, bucket):  # no annotations: DDP checks them at run time, and they are strings here
+    """DDP's all-reduce without its division by the number of replicas (the losses are weighted).
+
+    Each bucket's sum runs while the backward goes on; its start and end are kept for the timeline.
+    """
+    start = time.perf_counter()
+    work = dist.all_reduce(bucket.buffer(), group=replicas.group, async_op=True)
+
+    def finished(done: torch.futures.Future) -> torch.Tensor:
+        replicas.sync_times.append((start, time.perf_counter()))
+        return done.value()[0]
+
+    return work.get_future().then(finished)
 
 
 def data_parallel(chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "fsdp") -> _Replicas:
