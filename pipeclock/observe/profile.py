@@ -1,0 +1,273 @@
+"""Per-layer costs, measured on one process: each layer's F, B, I and W time, and the bytes it holds.
+
+A cut by layer count assumes every layer costs the same; a GPT's embedding costs almost nothing and its
+head (a vocabulary-wide matrix and the loss) can cost several blocks. So a cut by time or by memory
+needs each layer's own cost. This module measures them the way the engine runs them: the forward under
+the same saved-tensor accounting as ``ActivationMeter``, the backward whole or split into I and W with
+the engine's own functions, the last layer with the loss.
+
+Only one layer exists at a time (the memory wall: the profile must not need the whole model), and
+layers built alike (every block of a GPT, every hidden layer of the MLP) are measured once, with the
+output of the previous kind as input. Identical layers then cost exactly the same, so a cut by time
+follows the model's real differences, never the noise of a busy machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeclock.engine import pytree
+from pipeclock.engine.backward import (
+    ParameterOutputs,
+    backward_input,
+    backward_weight,
+    backward_whole,
+    held_tensors,
+)
+from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.models.gpt import GPTConfig, build_piece, piece_name
+from pipeclock.models.mlp import ShardedMLP
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's costs for a micro-batch of ``samples`` samples (times in seconds, sizes in bytes).
+
+    The byte counts follow the activation meter's rule (each distinct non-parameter tensor once) and are
+    split so that a stage's total can be assembled from its layers: ``held`` is what the layer saves
+    apart from its input and output; ``keeps_input`` and ``keeps_output`` say how much of those it saves
+    too; ``input_bytes`` are all its input's tensors (a stage stashes its input) and ``output_bytes``
+    the tensors it creates (``message_bytes``: all it hands on, pass-through tensors included).
+    """
+
+    name: str
+    kind: str
+    samples: int
+    parameters: int
+    forward: float
+    backward: float  # the whole backward as the engine runs it unsplit
+    input_grad: float  # I: the input's gradient only
+    weight_grad: float  # W: the weights' gradients, after I
+    held: int
+    keeps_input: int
+    keeps_output: int
+    input_bytes: int
+    output_bytes: int
+    message_bytes: int
+    weight_held: int  # what W keeps alive between I and W
+    keeps_graph: bool  # W goes back through autograd (a module with parameters that is not a Linear)
+    recomputable: bool  # a block that activation recompute may drop and recompute
+
+    def scaled(self, samples: int) -> LayerCost:
+        """The same layer for another micro-batch size: bytes and times in proportion to the samples.
+
+        Times are not quite proportional (small batches pay fixed overheads): measure at the size you
+        run when the figure matters.
+        """
+        k = samples / self.samples
+        sizes = ("held", "keeps_input", "keeps_output", "input_bytes", "output_bytes", "message_bytes")
+        changed = {name: round(getattr(self, name) * k) for name in (*sizes, "weight_held")}
+        times = {
+            name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
+        }
+        return replace(self, samples=samples, **changed, **times)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build and feed a model one layer at a time.
+
+    ``build(i)`` makes layer i alone (from (seed, i), as a stage would); ``kind(i)`` names its build
+    (layers of one kind are measured once); ``batch(n)`` gives a micro-batch's inputs and targets.
+    """
+
+    name: str
+    num_layers: int
+    build: Callable[[int], nn.Module]
+    kind: Callable[[int], str]
+    layer_name: Callable[[int], str]
+    batch: Callable[[int], tuple]
+    loss_fn: Callable
+    recomputable: Callable[[int], bool]
+
+
+def mlp_spec(hidden: int, layers: int, seed: int = 0) -> ModelSpec:
+    """``ShardedMLP``: layer i is a one-layer stage (Linear and ReLU; the last has no ReLU)."""
+
+    def batch(n: int) -> tuple:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(n, hidden, generator=generator), torch.randn(n, hidden, generator=generator)
+
+    return ModelSpec(
+        name=f"ShardedMLP {layers} x {hidden}",
+        num_layers=layers,
+        build=lambda i: ShardedMLP(hidden, layers, stage=i, num_stages=layers, seed=seed),
+        kind=lambda i: "last" if i == layers - 1 else "layer",
+        layer_name=str,
+        batch=batch,
+        loss_fn=F.mse_loss,
+        recomputable=lambda i: True,
+    )
+
+
+def gpt_spec(config: GPTConfig) -> ModelSpec:
+    """The GPT's pieces: the embedding, the blocks, the head (which also computes the loss)."""
+    last = config.num_pieces - 1
+
+    def batch(n: int) -> tuple:
+        generator = torch.Generator().manual_seed(config.seed)
+        ids = torch.randint(0, config.vocab_size, (n, config.seq_len + 1), generator=generator)
+        return ids[:, :-1], ids[:, 1:]
+
+    return ModelSpec(
+        name=f"GPT {config.layers} blocks x {config.dim}",
+        num_layers=config.num_pieces,
+        build=lambda i: nn.Sequential(OrderedDict([(piece_name(i, config), build_piece(i, config))])),
+        kind=lambda i: "embed" if i == 0 else ("head" if i == last else "block"),
+        layer_name=lambda i: piece_name(i, config),
+        batch=batch,
+        loss_fn=TokenCrossEntropy(),
+        recomputable=lambda i: 0 < i < last,
+    )
+
+
+def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) -> list[LayerCost]:
+    """Every layer's costs for micro-batches of ``samples`` samples: medians of ``repeats`` runs after
+    ``warmup`` runs, each kind of layer measured once, one layer alive at a time."""
+    inputs, targets = spec.batch(samples)
+    measured: dict[str, LayerCost] = {}
+    flowing = inputs
+    for index in range(spec.num_layers):
+        kind = spec.kind(index)
+        if kind in measured:
+            continue
+        layer = spec.build(index)
+        last = index == spec.num_layers - 1
+        cost, flowing = _measure(
+            layer, flowing, targets if last else None, spec.loss_fn, index == 0, repeats, warmup
+        )
+        measured[kind] = replace(cost, kind=kind, samples=samples, recomputable=spec.recomputable(index))
+        del layer
+    return [
+        replace(measured[spec.kind(i)], name=spec.layer_name(i), recomputable=spec.recomputable(i))
+        for i in range(spec.num_layers)
+    ]
+
+
+Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
+
+
+def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: int, warmup: int):
+    """One layer's costs, and its output (detached) to feed the next kind of layer."""
+    capture = ParameterOutputs([layer])
+    parameters = {p.data_ptr() for p in layer.parameters()}
+    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for run in range(warmup + repeats):
+        for split in (False, True):
+            record = _one_pass(layer, given, targets, loss_fn, capture, first, split)
+            if run >= warmup:
+                for op, seconds in record.times.items():
+                    samples[op].append(seconds)
+    sizes = _sizes(record, parameters)
+    keeps_graph = capture.keeps_graph
+    whole = statistics.median(samples["B"])
+    split_total = statistics.median(samples["I"]) + statistics.median(samples["W"])
+    cost = LayerCost(
+        name="",
+        kind="",
+        samples=0,
+        parameters=sum(p.numel() for p in layer.parameters()),
+        forward=statistics.median(samples["F"]),
+        backward=whole if keeps_graph else split_total,  # what the engine does for an unsplit B
+        input_grad=statistics.median(samples["I"]),
+        weight_grad=statistics.median(samples["W"]),
+        keeps_graph=keeps_graph,
+        recomputable=False,
+        **sizes,
+    )
+    return cost, pytree.tree_map(lambda t: t.detach(), record.output)
+
+
+@dataclass
+class _Pass:
+    output: object
+    inputs: list[torch.Tensor]
+    saved: list[tuple[int, int]]
+    held_after_input_grad: list[torch.Tensor]
+    times: dict[str, float]
+
+
+def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: bool, split: bool) -> _Pass:
+    """F, then B (or I and W when ``split``), timed; the layer's gradients are dropped after.
+
+    A received input is a fresh leaf that wants its gradient, as in the engine; the model's own input
+    (``first``) wants none.
+    """
+    wants_grad = (lambda t: False) if first else pytree.carries_gradient
+    fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, given)
+    inputs = [leaf for leaf in pytree.gradient_leaves(fed) if leaf.requires_grad]
+    saved: list[tuple[int, int]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    start = _now()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), capture.capture() as captured:
+        output = layer(fed)
+    if targets is not None:
+        roots, grads = [loss_fn(output, targets)], None
+    else:
+        roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
+        grads = [torch.ones_like(leaf) for leaf in roots]
+    times = {"F": _now() - start}
+    held: list[torch.Tensor] = []
+    start = _now()
+    if split:
+        _, work = backward_input(roots, grads, inputs, captured, capture.keeps_graph)
+        times["I"] = _now() - start
+        held = held_tensors(work)
+        start = _now()
+        backward_weight(work)
+        times["W"] = _now() - start
+    else:
+        backward_whole(roots, grads, inputs)
+        times["B"] = _now() - start
+    layer.zero_grad(set_to_none=True)
+    return _Pass(output, pytree.leaves(fed), saved, held, times)
+
+
+def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
+    def located(tensors) -> Located:
+        return {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+
+    inputs, outputs = located(record.inputs), located(pytree.leaves(record.output))
+    saved = {item for item in record.saved if item[0] not in parameters}
+    new_outputs = outputs - inputs
+
+    def total(items: Located) -> int:
+        return sum(nbytes for _, nbytes in items)
+
+    return {
+        "held": total(saved - inputs - outputs),
+        "keeps_input": total(saved & inputs),
+        "keeps_output": total(saved & new_outputs),
+        "input_bytes": total(inputs),
+        "output_bytes": total(new_outputs),
+        "message_bytes": total(outputs),
+        "weight_held": total(located(record.held_after_input_grad)),
+    }
+
+
+def _now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
