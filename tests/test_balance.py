@@ -85,3 +85,27 @@ def test_the_profile_of_a_gpt_names_its_pieces_and_only_blocks_are_recomputable(
     assert [x.name for x in layers] == ["embed", "h0", "h1", "h2", "head"]
     assert [x.recomputable for x in layers] == [False, True, True, True, False]
     assert layers[1].held > layers[1].output_bytes  # a block saves far more than it hands on
+
+
+def _my_layers(rank, world, balance):
+    from pipeclock.app.train import TrainConfig, build_stage
+
+    config = TrainConfig(hidden=32, layers=5, batch_size=8, steps=1, microbatches=2, balance=balance)
+    return [sorted(int(i) for i in module.layers) for module in build_stage(config, rank, world)]
+
+
+@pytest.mark.slow
+def test_every_rank_builds_its_share_of_one_cut_by_time_and_the_shares_cover_the_model():
+    from tests.distributed import run_ok
+
+    for balance in ("time", "memory"):
+        shares = [layers for rank in run_ok(_my_layers, 2, balance) for layers in rank]
+        assert sorted(i for share in shares for i in share) == list(range(5)), balance
+        assert all(share == list(range(share[0], share[-1] + 1)) for share in shares)
+
+
+def test_an_unknown_balance_is_one_clear_error():
+    from pipeclock.app.train import TrainConfig
+
+    with pytest.raises(ValueError, match="--balance must be one of layers, time, memory"):
+        TrainConfig(balance="speed")

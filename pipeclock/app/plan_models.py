@@ -25,6 +25,7 @@ class PlannedModel:
     batch_size: int
     time_unit: str  # "ms" when measured, "layer forwards" for a rough model
     note: str
+    time_scale: float = 1.0  # shown times = the layers' times x this (1000: seconds shown in ms)
 
     @property
     def parameters(self) -> int:
@@ -98,7 +99,7 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
         spec = mlp_spec(args.hidden, layers)
     measured = profile(spec, batch)  # the whole batch: scaled to each micro-batch size
     note = f"layers measured here on {args.threads} thread(s), batch {batch}"
-    return PlannedModel(spec.name, measured, batch, "ms", note)
+    return PlannedModel(spec.name, measured, batch, "ms", note, time_scale=1e3)
 
 
 def describe_model(model: PlannedModel, training: Training, device: int, binary: bool) -> str:

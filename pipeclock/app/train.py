@@ -26,6 +26,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint
+from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.run_checks import agree, check_values
 from pipeclock.app.tasks import make_task
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
@@ -71,6 +72,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:
@@ -89,6 +91,7 @@ class TrainConfig:
             self.microbatches, self.schedule = found, Path(self.schedule_csv).name
         self.microbatches = 8 if self.microbatches is None else self.microbatches
         check_values(self)
+        check_balance(self.balance)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -141,7 +144,8 @@ def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[t
     """
     task = task or make_task(config)
     placement = config.table(world).placement
-    return [part.to(comms.device()) for part in task.build(rank, world, placement)]
+    cut = stage_cut(config, placement.num_virtual)
+    return [part.to(comms.device()) for part in task.build(rank, world, placement, cut)]
 
 
 def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:

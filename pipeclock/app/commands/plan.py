@@ -117,10 +117,10 @@ def _plan(args: argparse.Namespace) -> int:
     fitting = sorted((p for p in plans if p.fits(device)), key=lambda p: (p.step_time, p.peak, p.stages))
     at_fewest = [plan for plan in fitting if plan.stages == fewest]
     print(f"\nthe fastest on {fewest} stage(s) (step time in {unit}; memory of the fullest rank):")
-    print(_table(at_fewest[: args.top], unit, binary))
+    print(_table(at_fewest[: args.top], unit, binary, model.time_scale))
     if fitting[0].stages != fewest:
         print(f"\nthe fastest on any number of stages up to {max(stages)}:")
-        print(_table(fitting[: args.top], unit, binary))
+        print(_table(fitting[: args.top], unit, binary, model.time_scale))
     best = at_fewest[0]
     print(f"\nmemory per rank, {_label(best)} ({', '.join(f'{m} {k}' for k, m in PART_MARKS.items())}):")
     print(_bars(best, device, binary))
@@ -163,7 +163,8 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         f"  per parameter: 4 B weight + 4 B gradient + {state} B {training.optimizer} state = {per} B"
         + (" (bf16 autocast keeps fp32 masters)" if training.dtype == "bf16" else ""),
         f"  the whole model: {_count(model.parameters)} x {per} B = {size(total)} to train; "
-        f"ceil({size(total)} / {size(device)}) = {math.ceil(total / device)} devices at the very least",
+        f"ceil({size(total)} / {size(device)}) = {_plural(math.ceil(total / device), 'device')} "
+        "at the very least",
     ]
     largest = max(layer.parameters for layer in model.layers)
     lines.append(
@@ -192,9 +193,7 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
     if fewest is None:
         lines.append(f"  no number of stages up to {max(stages)} fits")
     else:
-        lines.append(
-            f"answer: {fewest} stage{'s' if fewest > 1 else ''} ({fewest} devices of {size(device)})"
-        )
+        lines.append(f"answer: {_plural(fewest, 'stage')} ({_plural(fewest, 'device')} of {size(device)})")
     return lines
 
 
@@ -214,7 +213,7 @@ def _layers_on(plan: Plan, rank: int) -> int:
     return sum(len(plan.cut[s]) for s in placement_of(table).stages[rank])
 
 
-def _table(plans: list[Plan], unit: str, binary: bool) -> str:
+def _table(plans: list[Plan], unit: str, binary: bool, time_scale: float) -> str:
     header = (
         "schedule",
         "p",
@@ -236,7 +235,7 @@ def _table(plans: list[Plan], unit: str, binary: bool) -> str:
                 str(plan.microbatches),
                 str(plan.training.recompute),
                 plan.balance,
-                _time(plan.step_time),
+                _time(plan.step_time * time_scale),
                 f"{plan.bubble:.1%}",
                 format_bytes(plan.peak, binary),
                 per_rank if len(plan.memory) <= 8 else per_rank.split()[0] + " ...",
