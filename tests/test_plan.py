@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from pipeclock.observe.planner import (
     rank_memory,
     stage_bytes,
     step_time,
+    unmetered_peak,
 )
 from pipeclock.observe.profile import mlp_spec, profile
 from tests.distributed import run_ok
@@ -75,6 +77,15 @@ def test_full_recompute_keeps_block_inputs_and_holds_one_block_during_its_backwa
     assert two.backward_extra == 3 * MB_TENSOR  # a segment: its input and two inner boundaries
 
 
+def test_what_the_meter_misses_is_held_from_each_forward_to_its_backward():
+    chunk = [StageBytes(forward=10, weight_work=0, backward_extra=0, loss=3, unmetered=1)]
+    (rank,) = parse_schedule(["F0 F1 F2 B0 B1 B2"])
+    assert unmetered_peak(rank, chunk) == 12
+    (split,) = parse_schedule(["F0 I0 F1 W0 I1 W1"])
+    assert unmetered_peak(split, chunk, keeps_graph=True) == 5  # F1 after I0: 1 (W0 needs the graph) + 4
+    assert unmetered_peak(split, chunk, keeps_graph=False) == 4  # the loss's backward is part of I
+
+
 def test_the_activation_peak_follows_the_ranks_own_order_of_actions():
     chunk = [StageBytes(forward=10, weight_work=4, backward_extra=0)]
     (rank,) = parse_schedule(["F0 F1 B0 F2 B1 B2"])
@@ -85,7 +96,7 @@ def test_the_activation_peak_follows_the_ranks_own_order_of_actions():
 
 
 def test_rank_memory_adds_weights_gradients_adam_state_activations_and_message_buffers():
-    model = layers(4)
+    model = [replace(layer, largest_parameter=4 * 1000 * 1000) for layer in layers(4)]  # unfused Adam
     table = one_f_one_b(2, 4)
     cut = [range(0, 2), range(2, 4)]
     first, last = rank_memory(model, cut, table)
@@ -95,8 +106,15 @@ def test_rank_memory_adds_weights_gradients_adam_state_activations_and_message_b
     assert first.activations == 2 * 3 * MB_TENSOR
     assert last.activations == 1 * 3 * MB_TENSOR
     assert first.messages == MB_TENSOR and last.messages == MB_TENSOR  # a gradient in / an activation in
+    # workspace: a backward's input gradient (the rough layers' temporary); no loss kept (MSE keeps none)
+    assert first.workspace == MB_TENSOR and last.workspace == MB_TENSOR
+    # Adam's update of the largest tensor needs two copies of it, after the activations are freed
+    assert first.optimizer_step == 2 * 4 * 1000 * 1000
+    static = first.parameters + first.gradients + first.optimizer
+    assert first.total == static + max(first.activations + first.messages + first.workspace, 8_000_000)
     sgd = rank_memory(model, cut, table, Training(optimizer="sgd"))[0]
-    assert sgd.optimizer == 0 and sgd.total == first.total - 8 * params
+    assert sgd.optimizer == 0 and sgd.optimizer_step == 0
+    assert sgd.total == 8 * params + sgd.activations + sgd.messages + sgd.workspace
 
 
 def test_the_step_time_is_the_simulator_fed_with_each_stages_own_costs():

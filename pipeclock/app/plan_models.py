@@ -3,7 +3,8 @@
 A rough model (``--params N``) is too large to build, so its layers are described, not measured: the
 course's ShardedMLP scaled up, ``layers`` square Linear layers of ``N / layers`` parameters each, whose
 activations follow the MLP's pattern (each layer saves its input, its ReLU its output) and whose times
-are counted in forwards of one layer (B = 2 F, split I = W = F).
+are counted in forwards of one layer (B = 2 F, split I = W = F). Its optimizer is taken to update in
+place (fused), with no temporaries: torch's unfused Adam would add two copies of a layer's matrix.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def rough_layers(parameters: int, num_layers: int, samples: int) -> list[LayerCo
                 output_bytes=tensor,
                 message_bytes=tensor,
                 weight_held=2 * tensor,
+                workspace=tensor,  # a backward's gradient of its input
+                loss_held=0,
+                unmetered=0,
+                largest_parameter=0,  # a fused optimizer step: no temporaries
                 keeps_graph=False,
                 recomputable=True,
             )

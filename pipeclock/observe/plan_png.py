@@ -12,6 +12,7 @@ COLORS = {
     "optimizer": "#c44e52",
     "activations": "#dd8452",
     "messages": "#8172b3",
+    "workspace": "#937860",
 }
 
 

@@ -35,6 +35,8 @@ from pipeclock.observe.simulate import simulate
 
 FP32_BYTES = 4  # a weight, and its gradient, in fp32
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}  # per parameter, fp32
+# Temporaries of one parameter tensor's update, in copies of it: Adam's denominator, sqrt then divided.
+OPTIMIZER_TEMPORARIES = {"adam": 2, "adamw": 2, "momentum": 0, "sgd": 0}
 ACTIVATION_SCALE = {"fp32": 1.0, "bf16": 0.5}
 BALANCES = ("layers", "time", "memory")
 
@@ -139,6 +141,9 @@ class StageBytes:
     forward: int
     weight_work: int
     backward_extra: int
+    loss: int = 0  # what the loss keeps from F to the backward (the meter does not count it)
+    unmetered: int = 0  # what F keeps beyond the meter's count: whole storages behind views, captures
+    workspace: int = 0  # the largest temporary any of its layers needs while it runs
 
 
 def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) -> StageBytes:
@@ -161,7 +166,14 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
         if not (after[0].recomputable and training.recompute.every):
             total += max(before[-1].keeps_output, after[0].keeps_input)
     weight_work = sum(layer.weight_held for layer in layers)
-    return StageBytes(round(total * scale), round(weight_work * scale), round(extra * scale))
+    return StageBytes(
+        round(total * scale),
+        round(weight_work * scale),
+        round(extra * scale),
+        loss=layers[-1].loss_held,
+        unmetered=round(sum(layer.unmetered for layer in layers) * scale),
+        workspace=round(max(layer.workspace for layer in layers) * scale),
+    )
 
 
 def _segments(layers: Sequence[LayerCost], every: int) -> list[list[LayerCost]]:
@@ -196,12 +208,15 @@ class RankMemory:
     parameters: int
     gradients: int
     optimizer: int
-    activations: int
+    activations: int  # as the activation meter counts them
     messages: int
+    workspace: int = 0  # temporaries of one action, and what the meter does not see (the loss's ...)
+    optimizer_step: int = 0  # the optimizer's temporaries, after the pipeline step (activations freed)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.messages
+        static = self.parameters + self.gradients + self.optimizer
+        return static + max(self.activations + self.messages + self.workspace, self.optimizer_step)
 
     @property
     def parts(self) -> dict[str, int]:
@@ -211,6 +226,7 @@ class RankMemory:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "messages": self.messages,
+            "workspace": self.workspace,
         }
 
 
@@ -275,6 +291,9 @@ def rank_memory(
         keeps_graph = any(layers[i].keeps_graph for i in held_layers)
         peak = activation_peak(actions, [stages[s] for s in virtual], keeps_graph)
         messages = max(_message_bytes(layers, cut, s, scale) for s in virtual)
+        chunks = [stages[s] for s in virtual]
+        workspace = max(chunk.workspace for chunk in chunks) + unmetered_peak(actions, chunks, keeps_graph)
+        largest = max(layers[i].largest_parameter for i in held_layers)
         result.append(
             RankMemory(
                 parameters=FP32_BYTES * parameters,
@@ -282,6 +301,8 @@ def rank_memory(
                 optimizer=OPTIMIZER_STATE_BYTES[training.optimizer] * parameters,
                 activations=peak,
                 messages=messages,
+                workspace=workspace,
+                optimizer_step=OPTIMIZER_TEMPORARIES[training.optimizer] * largest,
             )
         )
     return result
@@ -309,6 +330,28 @@ def activation_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], kee
                 live += after - held[key]
                 held[key] = after
         else:  # W
+            live -= held.pop(key)
+        peak = max(peak, live)
+    return peak
+
+
+def unmetered_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], keeps_graph: bool = True) -> int:
+    """The most bytes held outside the meter's count: the loss's, from each F to its backward, and the
+    storages the meter misses, until the backward is done (a split I frees them unless W needs the
+    graph)."""
+    live = peak = 0
+    held: dict[tuple[int, int], int] = {}
+    for action in actions:
+        key, chunk = (action.microbatch, action.chunk), chunks[action.chunk]
+        if action.op == "F":
+            held[key] = chunk.unmetered
+            live += chunk.loss + chunk.unmetered
+        elif action.op == "B":
+            live -= chunk.loss + held.pop(key)
+        elif action.op == "I":
+            live -= chunk.loss + (0 if keeps_graph else held[key])
+            held[key] = held[key] if keeps_graph else 0
+        else:
             live -= held.pop(key)
         peak = max(peak, live)
     return peak
@@ -361,14 +404,16 @@ def judge(
     training: Training = Training(),
     balance: str = "layers",
     simulated: bool = True,
+    cut: Sequence[range] | None = None,
 ) -> Plan:
-    """One configuration's cut and memory, and (``simulated``) its step time and bubble."""
+    """One configuration's cut (``balance``'s, unless ``cut`` is given) and memory, and (``simulated``)
+    its step time and bubble."""
     from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 
     chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
     table = generate(schedule, stages, microbatches, chunks)
     num_virtual = placement_of(table).num_virtual
-    cut = cut_for(layers, num_virtual, balance, training)
+    cut = list(cut) if cut is not None else cut_for(layers, num_virtual, balance, training)
     memory = rank_memory(layers, cut, table, training)
     plan = Plan(schedule, stages, microbatches, chunks, training, balance, tuple(cut), tuple(memory))
     if not simulated:

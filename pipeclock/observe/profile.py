@@ -14,11 +14,14 @@ follows the model's real differences, never the noise of a busy machine.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +66,10 @@ class LayerCost:
     output_bytes: int
     message_bytes: int
     weight_held: int  # what W keeps alive between I and W
+    workspace: int  # the most memory its F and B need beyond what they keep (temporaries), measured
+    loss_held: int  # what the loss keeps from F to B (the last layer only; the meter does not see it)
+    unmetered: int  # what F keeps beyond ``held`` in whole storages (views, the engine's captures)
+    largest_parameter: int  # bytes of its largest parameter tensor (the optimizer's temporaries)
     keeps_graph: bool  # W goes back through autograd (a module with parameters that is not a Linear)
     recomputable: bool  # a block that activation recompute may drop and recompute
 
@@ -74,7 +81,8 @@ class LayerCost:
         """
         k = samples / self.samples
         sizes = ("held", "keeps_input", "keeps_output", "input_bytes", "output_bytes", "message_bytes")
-        changed = {name: round(getattr(self, name) * k) for name in (*sizes, "weight_held")}
+        scaled = (*sizes, "weight_held", "workspace", "loss_held", "unmetered")
+        changed = {name: round(getattr(self, name) * k) for name in scaled}
         times = {
             name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
         }
@@ -169,7 +177,7 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
     """One layer's costs, and its output (detached) to feed the next kind of layer."""
     capture = ParameterOutputs([layer])
     parameters = {p.data_ptr() for p in layer.parameters()}
-    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "peak": []}
     for run in range(warmup + repeats):
         for split in (False, True):
             record = _one_pass(layer, given, targets, loss_fn, capture, first, split)
@@ -177,10 +185,14 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
                 for op, seconds in record.times.items():
                     samples[op].append(seconds)
     sizes = _sizes(record, parameters)
+    gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
+    kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
+    workspace = max(0, round(statistics.median(samples["peak"])) - kept)
     keeps_graph = capture.keeps_graph
     whole = statistics.median(samples["B"])
     split_total = statistics.median(samples["I"]) + statistics.median(samples["W"])
     cost = LayerCost(
+        largest_parameter=max((p.numel() * p.element_size() for p in layer.parameters()), default=0),
         name="",
         kind="",
         samples=0,
@@ -191,6 +203,7 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
         weight_grad=statistics.median(samples["W"]),
         keeps_graph=keeps_graph,
         recomputable=False,
+        workspace=workspace,
         **sizes,
     )
     return cost, pytree.tree_map(lambda t: t.detach(), record.output)
@@ -201,6 +214,9 @@ class _Pass:
     output: object
     inputs: list[torch.Tensor]
     saved: list[tuple[int, int]]
+    loss_saved: list[tuple[int, int]]
+    targets: list[torch.Tensor]
+    kept: list[torch.Tensor]  # every tensor F keeps for B: saved by autograd or captured by the engine
     held_after_input_grad: list[torch.Tensor]
     times: dict[str, float]
 
@@ -215,16 +231,27 @@ def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: 
     fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, given)
     inputs = [leaf for leaf in pytree.gradient_leaves(fed) if leaf.requires_grad]
     saved: list[tuple[int, int]] = []
+    loss_saved: list[tuple[int, int]] = []
+    kept: list[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
-        return tensor
+    def into(found: list[tuple[int, int]], tensors: list[torch.Tensor] | None = None):
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            found.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            if tensors is not None:
+                tensors.append(tensor.detach())
+            return tensor
 
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    layer.zero_grad(set_to_none=True)
+    base = _memory.start()
     start = _now()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), capture.capture() as captured:
+    with into(saved, kept), capture.capture() as captured:
         output = layer(fed)
+    kept += [t for c in captured for t in (c.input, c.output) if t is not None]
     if targets is not None:
-        roots, grads = [loss_fn(output, targets)], None
+        with into(loss_saved):
+            roots, grads = [loss_fn(output, targets)], None
     else:
         roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
         grads = [torch.ones_like(leaf) for leaf in roots]
@@ -241,8 +268,10 @@ def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: 
     else:
         backward_whole(roots, grads, inputs)
         times["B"] = _now() - start
+        times["peak"] = _memory.peak() - base
     layer.zero_grad(set_to_none=True)
-    return _Pass(output, pytree.leaves(fed), saved, held, times)
+    given_targets = pytree.leaves(targets) if targets is not None else []
+    return _Pass(output, pytree.leaves(fed), saved, loss_saved, given_targets, kept, held, times)
 
 
 def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
@@ -256,8 +285,13 @@ def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
     def total(items: Located) -> int:
         return sum(nbytes for _, nbytes in items)
 
+    targets = located(record.targets)
+    loss_saved = {item for item in record.loss_saved if item[0] not in parameters} - outputs - targets
+    held = total(saved - inputs - outputs)
     return {
-        "held": total(saved - inputs - outputs),
+        "unmetered": max(0, _storage_bytes(record, parameters) - held),
+        "loss_held": total(loss_saved),
+        "held": held,
         "keeps_input": total(saved & inputs),
         "keeps_output": total(saved & new_outputs),
         "input_bytes": total(inputs),
@@ -265,6 +299,49 @@ def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
         "message_bytes": total(outputs),
         "weight_held": total(located(record.held_after_input_grad)),
     }
+
+
+def _storage_bytes(record: _Pass, parameters: set[int]) -> int:
+    """The whole storages behind what F keeps, those of its inputs, outputs and parameters excepted:
+    a saved view keeps its whole base alive, and the meter counts only the view."""
+
+    def storages(tensors) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    kept = storages(record.kept)
+    skip = set(storages(record.inputs)) | set(storages(pytree.leaves(record.output))) | parameters
+    return sum(nbytes for pointer, nbytes in kept.items() if pointer not in skip)
+
+
+class _Memory:
+    """The most memory allocated since ``start``: CUDA's own counter, or on a CPU the kernel's
+    resident high-water mark (Linux), which sees large temporaries once the allocator returns freed
+    blocks to the system (set ``MALLOC_MMAP_THRESHOLD_``); elsewhere 0."""
+
+    _status = Path("/proc/self/status")
+
+    def start(self) -> int:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+        return self._read("VmRSS")
+
+    def peak(self) -> int:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated()
+        return self._read("VmHWM")
+
+    def _read(self, field: str) -> int:
+        try:
+            match = re.search(rf"^{field}:\s+(\d+) kB", self._status.read_text(), re.MULTILINE)
+        except OSError:
+            return 0
+        return int(match.group(1)) * 1024 if match else 0
+
+
+_memory = _Memory()
 
 
 def _now() -> float:

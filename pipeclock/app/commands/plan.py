@@ -29,7 +29,14 @@ from pipeclock.observe.planner import (
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 16
 BAR_WIDTH = 50
-PART_MARKS = {"parameters": "P", "gradients": "G", "optimizer": "O", "activations": "A", "messages": "M"}
+PART_MARKS = {
+    "parameters": "P",
+    "gradients": "G",
+    "optimizer": "O",
+    "activations": "A",
+    "messages": "M",
+    "workspace": "W",
+}
 
 
 class UsageError(ValueError):
@@ -180,15 +187,14 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         plan = _representative([plan for plan in plans if plan.stages == p], device)
         fullest = max(plan.memory, key=lambda rank: rank.total)
         static = fullest.parameters + fullest.gradients + fullest.optimizer
-        moving = fullest.activations + fullest.messages
+        moving = fullest.activations + fullest.messages + fullest.workspace
         verdict = "fits" if plan.fits(device) else "does not fit"
         sign = "<=" if plan.fits(device) else ">"
         held = _layers_on(plan, plan.memory.index(fullest))
         lines.append(
             f"  {_plural(p, 'stage')}: the fullest rank holds {_plural(held, 'layer')} "
-            f"= {size(static)}"
-            f" + {size(moving)} activations and messages ({_label(plan)}) = {size(plan.peak)} {sign} "
-            f"{size(device)}: {verdict}"
+            f"= {size(static)} + {size(moving)} activations, messages and workspace ({_label(plan)}) "
+            f"= {size(plan.peak)} {sign} {size(device)}: {verdict}"
         )
     if fewest is None:
         lines.append(f"  no number of stages up to {max(stages)} fits")
