@@ -100,7 +100,7 @@ def test_rank_memory_adds_weights_gradients_adam_state_activations_and_message_b
     table = one_f_one_b(2, 4)
     cut = [range(0, 2), range(2, 4)]
     first, last = rank_memory(model, cut, table)
-    params = 2 * (1000 * 1000 + 1000)
+    params = 2 * 1000 * 1000  # two bias-free layers
     assert (first.parameters, first.gradients, first.optimizer) == (4 * params, 4 * params, 8 * params)
     # rank 0 of 1F1B on two stages holds two micro-batches of (input, boundary, output)
     assert first.activations == 2 * 3 * MB_TENSOR

@@ -73,15 +73,16 @@ def parse_bytes(text: str) -> int:
     return round(number * _UNITS[unit.upper()])
 
 
-def format_bytes(count: float, binary: bool = False) -> str:
-    """``40 GB`` or ``37.3 GiB``: three significant digits at most, in the largest unit below the size."""
+def format_bytes(count: float, binary: bool = False, digits: int = 3) -> str:
+    """``40 GB`` or ``37.3 GiB``: ``digits`` significant digits at most, in the largest unit below the
+    size."""
     steps = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if binary else (
         ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)
     )  # fmt: skip
     for name, size in steps:
         if abs(count) >= size:
             value = count / size
-            text = f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+            text = f"{value:.{digits}g}" if value < 1000 else f"{value:.0f}"
             return f"{text} {name}"
     return f"{count:.0f} B"
 

@@ -29,6 +29,10 @@ from pipeclock.observe.planner import (
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 16
 BAR_WIDTH = 50
+_UNIT_SIZES = (
+    ("B", 1), ("KB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12),
+    ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40),
+)  # fmt: skip
 PART_MARKS = {
     "parameters": "P",
     "gradients": "G",
@@ -123,7 +127,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     fitting = sorted((p for p in plans if p.fits(device)), key=lambda p: (p.step_time, p.peak, p.stages))
     at_fewest = [plan for plan in fitting if plan.stages == fewest]
-    print(f"\nthe fastest on {fewest} stage(s) (step time in {unit}; memory of the fullest rank):")
+    print(f"\nthe fastest on {_plural(fewest, 'stage')} (step time in {unit}; memory of the fullest rank):")
     print(_table(at_fewest[: args.top], unit, binary, model.time_scale))
     if fitting[0].stages != fewest:
         print(f"\nthe fastest on any number of stages up to {max(stages)}:")
@@ -194,7 +198,7 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         lines.append(
             f"  {_plural(p, 'stage')}: the fullest rank holds {_plural(held, 'layer')} "
             f"= {size(static)} + {size(moving)} activations, messages and workspace ({_label(plan)}) "
-            f"= {size(plan.peak)} {sign} {size(device)}: {verdict}"
+            f"= {_versus(plan.peak, device, binary)} {sign} {size(device)}: {verdict}"
         )
     if fewest is None:
         lines.append(f"  no number of stages up to {max(stages)} fits")
@@ -220,20 +224,23 @@ def _layers_on(plan: Plan, rank: int) -> int:
 
 
 def _table(plans: list[Plan], unit: str, binary: bool, time_scale: float) -> str:
+    """The plans as rows; ``unit`` is said by the caller, the per-rank figures share the peak's unit."""
+    shown_unit = format_bytes(plans[0].peak, binary).split()[1]
+    scale = dict(_UNIT_SIZES)[shown_unit]
     header = (
         "schedule",
         "p",
         "m",
         "recompute",
         "balance",
-        f"step ({unit})",
+        "step",
         "bubble",
-        "peak memory",
-        "per rank",
+        "peak",
+        f"per rank ({shown_unit})",
     )
     rows = [header]
     for plan in plans:
-        per_rank = " ".join(format_bytes(rank.total, binary).split()[0] for rank in plan.memory)
+        per_rank = " ".join(f"{rank.total / scale:.3g}" for rank in plan.memory)
         rows.append(
             (
                 plan.schedule if plan.chunks == 1 else f"{plan.schedule} (v={plan.chunks})",
@@ -263,6 +270,15 @@ def _bars(plan: Plan, device: int, binary: bool) -> str:
         total = format_bytes(memory.total, binary)
         lines.append(f"rank {rank:2d} |{shown}| {total} of {format_bytes(device, binary)}")
     return "\n".join(lines)
+
+
+def _versus(total: int, device: int, binary: bool) -> str:
+    """``total`` with as many digits as it takes to differ from the device's size (80.004 GB > 80 GB)."""
+    for digits in range(3, 10):
+        shown = format_bytes(total, binary, digits)
+        if total == device or shown != format_bytes(device, binary, digits):
+            return shown
+    return shown
 
 
 def _plural(count: int, word: str) -> str:
