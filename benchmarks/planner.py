@@ -2,6 +2,7 @@
 
     python -m benchmarks.planner            # two ranks; writes benchmarks/results/planner.{json,md}
     python -m benchmarks.planner --quick    # fewer steps, for a smoke run
+    python -m benchmarks.planner --models gpt-vocab --rounds 10 --steps 4 --name planner-balance
 
 For each model (the MLP, the GPT) and schedule, both ranks build their stage, train a few steps with
 Adam and measure: the activation meter's peak, the growth of the process's resident memory from just
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -135,20 +137,32 @@ def _train_step(pipe: Pipeline, optimizer, inputs, targets) -> int:
     return pipe.last.peak_activation_bytes
 
 
-def timed_rounds(model: Model, schedule: str, cut, running, rounds: int, steps: int) -> list[dict]:
-    """Rounds of (a fresh profile, then ``steps`` timed steps): each round's prediction beside what it
-    measured, so a machine whose speed drifts is judged round by round."""
-    pipe, optimizer, inputs, targets = running
-    found = []
+def timed_rounds(model: Model, schedule: str, cases: dict, rounds: int, steps: int) -> dict[str, list[dict]]:
+    """Rounds of (a fresh profile, then ``steps`` timed steps of each case in turn): each round's
+    prediction beside what it measured, so a machine whose speed drifts is judged round by round, and
+    cases run side by side (``cases``: name -> (cut, running pipeline)) see the same machine."""
+    found: dict[str, list[dict]] = {name: [] for name in cases}
     for _ in range(rounds):
         layers = shared_profile(model)
-        predicted = judge(layers, schedule, comms.get_world_size(), MICROBATCHES, cut=cut).step_time
-        seconds = []
+        world = comms.get_world_size()
+        predicted = {
+            name: judge(layers, schedule, world, MICROBATCHES, cut=cut).step_time
+            for name, (cut, _) in cases.items()
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(steps):
-            _train_step(pipe, optimizer, inputs, targets)
-            slowest = comms.all_gather_object(pipe.last.seconds, "sharing step times")
-            seconds.append(max(slowest))
-        found.append({"predicted_s": predicted, "measured_s": statistics.median(seconds), "steps_s": seconds})
+            for name, (_, (pipe, optimizer, inputs, targets)) in cases.items():
+                _train_step(pipe, optimizer, inputs, targets)
+                seconds[name].append(max(comms.all_gather_object(pipe.last.seconds, "sharing step times")))
+        for name in cases:
+            found[name].append(
+                {
+                    "predicted_s": predicted[name],
+                    "measured_s": statistics.median(seconds[name]),
+                    "steps_s": seconds[name],
+                    "load": os.getloadavg()[0],  # the machine's 1-minute load (2 cores here)
+                }
+            )
     return found
 
 
@@ -166,7 +180,8 @@ def shared_profile(model: Model) -> list:
 
 def worker(args: argparse.Namespace) -> None:
     """Each model and schedule, after a fresh profile: its memory (``--phase memory``) or its timed
-    rounds (``--phase time``); the launcher runs each phase in its own processes."""
+    rounds (``--phase time``); the launcher runs each phase in its own processes. The two cuts of the
+    GPT with a large vocabulary are timed side by side, step for step."""
     rank, world = comms.init(timeout=300.0)
     out = []
     for key in args.models:
@@ -174,21 +189,24 @@ def worker(args: argparse.Namespace) -> None:
         balances = ("layers", "time") if key == "gpt-vocab" else ("layers",)
         schedules = ("1f1b",) if key == "gpt-vocab" else SCHEDULES
         for schedule in schedules:
-            for balance in balances:
-                layers = shared_profile(model)
-                num_virtual = placement_of(table_for(schedule, world, MICROBATCHES)).num_virtual
-                cut = cut_for(layers, num_virtual, balance)
-                memory, running = measure_memory(
-                    model, schedule, cut, steps=2 if args.phase == "memory" else 1
-                )
-                rounds = (
-                    timed_rounds(model, schedule, cut, running, args.rounds, args.steps)
-                    if args.phase == "time"
-                    else []
-                )
-                del running
-                ranks = comms.gather_object(memory, "gathering a case")
+            layers = shared_profile(model)
+            num_virtual = placement_of(table_for(schedule, world, MICROBATCHES)).num_virtual
+            cuts = {balance: cut_for(layers, num_virtual, balance) for balance in balances}
+            memory, running = {}, {}
+            for balance, cut in cuts.items():
+                steps = 2 if args.phase == "memory" else 1
+                memory[balance], running[balance] = measure_memory(model, schedule, cut, steps)
+                if args.phase == "memory":
+                    running.pop(balance)  # measured alone: free it before the next
+            timed = {}
+            if args.phase == "time":
+                cases = {balance: (cuts[balance], running[balance]) for balance in cuts}
+                timed = timed_rounds(model, schedule, cases, args.rounds, args.steps)
+            running.clear()
+            for balance, cut in cuts.items():
+                ranks = comms.gather_object(memory[balance], "gathering a case")
                 if rank == 0:
+                    rounds = timed.get(balance, [])
                     out.append(_record(key, model, schedule, balance, layers, cut, ranks, rounds))
     if rank == 0:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
@@ -245,18 +263,24 @@ def _mb(count: float) -> str:
     return f"{count / 2**20:.2f}"
 
 
-def markdown(records: list[dict], command: str, seconds: float) -> str:
+def markdown(records: list[dict], command: str, seconds: float, loads: list[float]) -> str:
     lines = [
         "# The planner against real runs",
         "",
         f"`{command}` ({seconds:.0f} s), 2 ranks, {MICROBATCHES} micro-batches, fp32, no recompute, Adam. "
-        "Memory in MiB per rank (rank 0 / rank 1); error = (predicted - measured) / measured.",
-        "",
-        "| model | schedule | activations predicted | measured | error | memory predicted | resident growth "
-        "| error | step predicted (ms) | measured (ms) | error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Memory in MiB per rank (rank 0 / rank 1); error = (predicted - measured) / measured; the step's "
+        "error is the median over rounds of each round's. The machine's 1-minute load average during the "
+        f"timed rounds: {min(loads):.1f} to {max(loads):.1f} (on 2 cores).",
     ]
-    for r in (r for r in records if r["balance"] == "layers" and r["model"] != "gpt-vocab"):
+    compared = [r for r in records if r["balance"] == "layers" and r["model"] != "gpt-vocab"]
+    if compared:
+        lines += [
+            "",
+            "| model | schedule | activations predicted | measured | error | memory predicted "
+            "| resident growth | error | step predicted (ms) | measured (ms) | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+    for r in compared:
         p, m = r["predicted"], r["measured"]
         act_err = " / ".join(_error(a, b) for a, b in zip(p["activations"], m["activations"], strict=True))
         mem_err = " / ".join(_error(a, b) for a, b in zip(p["total"], m["rss_growth"], strict=True))
@@ -282,9 +306,17 @@ def markdown(records: list[dict], command: str, seconds: float) -> str:
                 f"| {r['balance']} | {cut} | {r['predicted']['step_s'] * 1e3:.1f} "
                 f"| {r['measured']['step_s'] * 1e3:.1f} |"
             )
-        gain_p = 1 - by_time["predicted"]["step_s"] / by_count["predicted"]["step_s"]
-        gain_m = 1 - by_time["measured"]["step_s"] / by_count["measured"]["step_s"]
-        lines += ["", f"Cutting by time shortens the step by {gain_m:.1%} measured, {gain_p:.1%} predicted."]
+        pairs = list(zip(by_count["rounds"], by_time["rounds"], strict=True))
+        gain_p = 1 - statistics.median(t["predicted_s"] / c["predicted_s"] for c, t in pairs)
+        steps = [(a, b) for c, t in pairs for a, b in zip(c["steps_s"], t["steps_s"], strict=True)]
+        gain_m = 1 - statistics.median(b / a for a, b in steps)
+        lines += [
+            "",
+            f"Cutting by time shortens the step by {gain_m:.1%} measured and {gain_p:.1%} predicted: the "
+            f"median over {len(steps)} pairs of steps (the two pipelines step in turn, so each pair shares "
+            f"the machine's state) and over {len(pairs)} profiles. The medians of each column alone swing "
+            "with the machine's load; the paired figure is the one to read.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -325,12 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--quick", action="store_true", help="two rounds of one step per case")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="planner", help="results file name (default planner)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     rounds, steps = (2, 1) if args.quick else (args.rounds, args.steps)
-    command = "python -m benchmarks.planner" + (" --quick" if args.quick else "")
+    command = shlex.join(
+        ["python", "-m", "benchmarks.planner", *(argv if argv is not None else sys.argv[1:])]
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipeclock-planner-") as scratch:
         found = {}
@@ -354,12 +389,14 @@ def main(argv: list[str] | None = None) -> int:
             _merged(timed, memory) for timed, memory in zip(found["time"], found["memory"], strict=True)
         ]
     seconds = time.perf_counter() - start
+    loads = [r["load"] for record in records for r in record["rounds"]]
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "planner.json").write_text(
-        json.dumps({"command": command, "seconds": seconds, "records": records}, indent=1) + "\n"
+    (args.results_dir / f"{args.name}.json").write_text(
+        json.dumps({"command": command, "seconds": seconds, "loads": loads, "records": records}, indent=1)
+        + "\n"
     )
-    (args.results_dir / "planner.md").write_text(markdown(records, command, seconds))
-    print(f"wrote {args.results_dir / 'planner.json'} and planner.md")
+    (args.results_dir / f"{args.name}.md").write_text(markdown(records, command, seconds, loads))
+    print(f"wrote {args.results_dir / args.name}.json and .md")
     return 0
 
 

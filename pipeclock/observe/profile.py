@@ -148,8 +148,10 @@ def gpt_spec(config: GPTConfig) -> ModelSpec:
 
 
 def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) -> list[LayerCost]:
-    """Every layer's costs for micro-batches of ``samples`` samples: medians of ``repeats`` runs after
-    ``warmup`` runs, each kind of layer measured once, one layer alive at a time."""
+    """Every layer's costs for micro-batches of ``samples`` samples, each kind of layer measured once,
+    one layer alive at a time: the least time of ``repeats`` runs after ``warmup`` runs (on a shared
+    machine noise only ever adds time, and the cut needs the layers' costs relative to each other).
+    """
     inputs, targets = spec.batch(samples)
     measured: dict[str, LayerCost] = {}
     flowing = inputs
@@ -189,18 +191,18 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
     kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
     workspace = max(0, round(statistics.median(samples["peak"])) - kept)
     keeps_graph = capture.keeps_graph
-    whole = statistics.median(samples["B"])
-    split_total = statistics.median(samples["I"]) + statistics.median(samples["W"])
+    whole = min(samples["B"])
+    split_total = min(samples["I"]) + min(samples["W"])
     cost = LayerCost(
         largest_parameter=max((p.numel() * p.element_size() for p in layer.parameters()), default=0),
         name="",
         kind="",
         samples=0,
         parameters=sum(p.numel() for p in layer.parameters()),
-        forward=statistics.median(samples["F"]),
+        forward=min(samples["F"]),
         backward=whole if keeps_graph else split_total,  # what the engine does for an unsplit B
-        input_grad=statistics.median(samples["I"]),
-        weight_grad=statistics.median(samples["W"]),
+        input_grad=min(samples["I"]),
+        weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
         recomputable=False,
         workspace=workspace,
