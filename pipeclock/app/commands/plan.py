@@ -191,13 +191,13 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         plan = _representative([plan for plan in plans if plan.stages == p], device)
         fullest = max(plan.memory, key=lambda rank: rank.total)
         static = fullest.parameters + fullest.gradients + fullest.optimizer
-        moving = fullest.activations + fullest.messages + fullest.workspace
+        moving = fullest.total - static  # activations and the rest, or the optimizer's temporaries
         verdict = "fits" if plan.fits(device) else "does not fit"
         sign = "<=" if plan.fits(device) else ">"
         held = _layers_on(plan, plan.memory.index(fullest))
         lines.append(
             f"  {_plural(p, 'stage')}: the fullest rank holds {_plural(held, 'layer')} "
-            f"= {size(static)} + {size(moving)} activations, messages and workspace ({_label(plan)}) "
+            f"= {size(static)} + {size(moving)} activations, messages and temporaries ({_label(plan)}) "
             f"= {_versus(plan.peak, device, binary)} {sign} {size(device)}: {verdict}"
         )
     if fewest is None:
