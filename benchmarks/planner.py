@@ -12,9 +12,10 @@ kind (one thread, the micro-batch the run uses, all ranks at once as in the run,
 slows both alike), and the planner predicts the same three figures from the ranks' mean profile.
 
 Memory and time are measured in separate launches. Memory is read with glibc's mmap threshold fixed
-(``MALLOC_MMAP_THRESHOLD_``): by default glibc raises it as large blocks are freed, after which freed
-tensors stay in the heap and the high-water mark counts memory the program no longer holds. Time is
-measured with glibc's default, which is how the engine runs.
+low (``MALLOC_MMAP_THRESHOLD_``, 16 KiB): by default glibc raises it as large blocks are freed, after
+which freed tensors stay in its heap, and a heap shared by many small tensors fragments, so the
+high-water mark counts memory the program no longer holds (3-6 MiB of a GPT rank's 20 at 128 KiB).
+Time is measured with glibc's default, which is how the engine runs.
 
 Then the GPT with a real-sized vocabulary (4096 tokens: a head that costs more than a block) runs cut
 by layer count and cut by time, to compare the gain the simulator predicts with the gain measured.
@@ -52,7 +53,7 @@ from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
 MICROBATCHES = 8
-MMAP_THRESHOLD = 128 * 1024  # bytes: every block this large or larger is its own mapping
+MMAP_THRESHOLD = 16 * 1024  # bytes: every block this large or larger is its own mapping
 
 
 @dataclass(frozen=True)
