@@ -18,6 +18,8 @@ from pipeclock.observe.planner import (
     StageBytes,
     Training,
     activation_peak,
+    cut_for,
+    in_flight,
     judge,
     parse_bytes,
     rank_memory,
@@ -132,6 +134,17 @@ def test_judging_a_configuration_cuts_sizes_and_simulates_it():
     assert [len(part) for part in plan.cut] == [2, 2]
     assert plan.step_time == pytest.approx(simulated_1f1b_makespan := 3 * 2 * (4 + 2 - 1))
     assert simulated_1f1b_makespan == 30 and plan.peak == max(m.total for m in plan.memory)
+
+
+def test_a_cut_by_memory_gives_fewer_layers_to_the_stage_that_holds_more_micro_batches():
+    # 1F1B on two stages: stage 0 holds two micro-batches, stage 1 one; activations outweigh weights
+    model = rough_layers(4 * 10_000, 4, samples=1000)  # width 100: 160 KB of state, 400 KB tensors
+    table = one_f_one_b(2, 4)
+    assert in_flight(table) == [2, 1]
+    by_memory = cut_for(model, 2, "memory", table=table)
+    assert by_memory == [range(0, 1), range(1, 4)]
+    peak = lambda cut: max(rank.total for rank in rank_memory(model, cut, table))  # noqa: E731
+    assert peak(by_memory) < peak(cut_for(model, 2, "layers"))
 
 
 # --- the command --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from pipeclock import comms
+from pipeclock.engine.actions import placement_of
 from pipeclock.observe.planner import BALANCES, Training, cut_for
 
 
@@ -19,13 +20,14 @@ def check_balance(balance: str) -> None:
         raise ValueError(f"--balance must be one of {', '.join(BALANCES)}, got {balance!r}")
 
 
-def stage_cut(config, num_virtual: int) -> list[range] | None:
-    """The cut into ``num_virtual`` stages that ``config.balance`` asks for; None for the layer count
-    (the models' own default cut)."""
+def stage_cut(config, table) -> list[range] | None:
+    """The cut that ``config.balance`` asks for, for the schedule ``table`` (whose placement says how
+    many virtual stages); None for the layer count (the models' own default cut)."""
     check_balance(config.balance)
     if config.balance == "layers":
         return None
-    cut = _measured_cut(config, num_virtual) if comms.get_rank() == 0 else None
+    num_virtual = placement_of(table).num_virtual
+    cut = _measured_cut(config, num_virtual, table) if comms.get_rank() == 0 else None
     cut = comms.all_gather_object(cut, "sharing rank 0's cut of the model")[0]
     if comms.get_rank() == 0:
         shown = " | ".join(f"{part.start}..{part.stop - 1}" for part in cut)
@@ -41,7 +43,7 @@ def _by_count(config, num_virtual: int) -> str:
     return " | ".join(f"{part.start}..{part.stop - 1}" for part in partition(layers, num_virtual))
 
 
-def _measured_cut(config, num_virtual: int) -> list[range]:
+def _measured_cut(config, num_virtual: int, table) -> list[range]:
     from pipeclock.models.gpt import GPTConfig
     from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
 
@@ -53,4 +55,4 @@ def _measured_cut(config, num_virtual: int) -> list[range]:
     else:
         spec = mlp_spec(config.hidden, config.layers, config.seed)
     samples = math.ceil(config.batch_size / config.microbatches)
-    return cut_for(profile(spec, samples), num_virtual, config.balance, Training())
+    return cut_for(profile(spec, samples), num_virtual, config.balance, Training(), table)

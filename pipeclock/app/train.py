@@ -144,7 +144,7 @@ def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[t
     """
     task = task or make_task(config)
     placement = config.table(world).placement
-    cut = stage_cut(config, placement.num_virtual)
+    cut = stage_cut(config, config.table(world))
     return [part.to(comms.device()) for part in task.build(rank, world, placement, cut)]
 
 

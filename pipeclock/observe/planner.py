@@ -255,12 +255,17 @@ class Plan:
 
 
 def cut_for(
-    layers: Sequence[LayerCost], num_virtual: int, balance: str, training: Training = Training()
+    layers: Sequence[LayerCost],
+    num_virtual: int,
+    balance: str,
+    training: Training = Training(),
+    table: Schedule | None = None,
 ) -> list[range]:
     """The model's cut into ``num_virtual`` stages: by layer count, by time (F + B), or by memory.
 
-    By memory, a layer weighs its static bytes (weights, gradients, optimizer state) plus its
-    activations for one micro-batch: the cut that evens out what a stage must hold.
+    By memory, a stage weighs its static bytes (weights, gradients, optimizer state) plus its
+    activations times the micro-batches it holds at once under ``table`` (one each without a table):
+    1F1B's first stage holds p micro-batches and its last one, so the first gets fewer layers.
     """
     if balance == "layers":
         return partition(len(layers), num_virtual)
@@ -268,13 +273,31 @@ def cut_for(
         return partition_by_cost([layer.forward + layer.backward for layer in layers], num_virtual)
     if balance == "memory":
         per_parameter = training.bytes_per_parameter
+        held = in_flight(table) if table is not None else [1] * num_virtual
 
         def weight(stage: int, part: range) -> float:
             chosen = [layers[i] for i in part]
-            return per_parameter * sum(x.parameters for x in chosen) + stage_bytes(chosen, training).forward
+            activations = held[stage] * stage_bytes(chosen, training).forward
+            return per_parameter * sum(x.parameters for x in chosen) + activations
 
         return cut_by_stage_cost(len(layers), num_virtual, weight)
     raise ValueError(f"unknown balance {balance!r}: use {', '.join(BALANCES)}")
+
+
+def in_flight(table: Schedule) -> list[int]:
+    """Per virtual stage: the most micro-batches it holds at once (its F done, its backward not)."""
+    placement = placement_of(table)
+    most = [0] * placement.num_virtual
+    for rank, actions in enumerate(table):
+        live = [0] * placement.num_virtual
+        for action in actions:
+            stage = placement.stage(rank, action.chunk)
+            if action.op == "F":
+                live[stage] += 1
+                most[stage] = max(most[stage], live[stage])
+            elif action.op in ("B", "W"):
+                live[stage] -= 1
+    return most
 
 
 def rank_memory(
@@ -414,7 +437,7 @@ def judge(
     chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
     table = generate(schedule, stages, microbatches, chunks)
     num_virtual = placement_of(table).num_virtual
-    cut = list(cut) if cut is not None else cut_for(layers, num_virtual, balance, training)
+    cut = list(cut) if cut is not None else cut_for(layers, num_virtual, balance, training, table)
     memory = rank_memory(layers, cut, table, training)
     plan = Plan(schedule, stages, microbatches, chunks, training, balance, tuple(cut), tuple(memory))
     if not simulated:
