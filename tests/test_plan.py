@@ -223,3 +223,15 @@ def test_the_predicted_activation_peak_is_what_the_meter_measures_in_a_real_run(
         measured = [peaks[schedule] for peaks in per_rank]
         predicted = [rank.activations for rank in judge(model, schedule, 2, 4, simulated=False).memory]
         assert predicted == pytest.approx(measured, rel=0.10), schedule
+
+
+def test_a_measured_model_is_planned_and_its_memory_drawn(monkeypatch, capsys, tmp_path):
+    png = tmp_path / "memory.png"
+    code, out, err = plan_command(
+        monkeypatch, capsys, "--model", "mlp", "--hidden", "64", "--layers", "4", "--batch-size", "16",
+        "--device-memory", "200KiB", "--stages", "1,2", "--microbatches", "4", "--png", str(png),
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "ShardedMLP 4 x 64 (layers measured here" in out and "step time in ms" in out
+    assert "answer: 2 stages" in out  # 4 layers x 65 KiB of weights, gradients and Adam state > 200 KiB
+    assert png.read_bytes()[:4] == b"\x89PNG"
