@@ -29,9 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipeclock.engine.actions import Action, Schedule, placement_of
+from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
 from pipeclock.observe.profile import LayerCost
 from pipeclock.observe.simulate import simulate
+from pipeclock.observe.timeline import Timeline
 
 FP32_BYTES = 4  # a weight, and its gradient, in fp32
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}  # per parameter, fp32
@@ -395,7 +397,7 @@ def step_time(
     table: Schedule,
     training: Training = Training(),
     comm_latency: float = 0.0,
-):
+) -> Timeline:
     """The simulated step (a ``Timeline``): each action costs what its stage's layers cost.
 
     F is the sum of the layers' forwards; B their backwards (I + W where the engine splits them); with
@@ -432,8 +434,6 @@ def judge(
 ) -> Plan:
     """One configuration's cut (``balance``'s, unless ``cut`` is given) and memory, and (``simulated``)
     its step time and bubble."""
-    from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
-
     chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
     table = generate(schedule, stages, microbatches, chunks)
     num_virtual = placement_of(table).num_virtual
