@@ -32,10 +32,10 @@ class RegressionTask:
         self.config = config
         self.data = SyntheticRegression(config.hidden, seed=config.seed)
 
-    def build(self, rank: int, world: int, placement: Placement) -> list[nn.Module]:
+    def build(self, rank: int, world: int, placement: Placement, cut=None) -> list[nn.Module]:
         c = self.config
         return ShardedMLP.for_rank(
-            c.hidden, c.layers, rank, world, len(placement.stages[rank]), c.seed, placement
+            c.hidden, c.layers, rank, world, len(placement.stages[rank]), c.seed, placement, cut
         )
 
     def batch(self, step: int, size: int):
@@ -69,8 +69,8 @@ class LanguageTask:
             config.batch_size, config.seq_len, max(1, config.eval_batches)
         )
 
-    def build(self, rank: int, world: int, placement: Placement) -> list[nn.Module]:
-        return GPT.for_rank(self.gpt, rank, world, len(placement.stages[rank]), placement)
+    def build(self, rank: int, world: int, placement: Placement, cut=None) -> list[nn.Module]:
+        return GPT.for_rank(self.gpt, rank, world, len(placement.stages[rank]), placement, cut)
 
     def batch(self, step: int, size: int):
         return self.corpus.batch(step, size, self.config.seq_len, seed=self.config.seed)

@@ -26,6 +26,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint
+from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.run_checks import agree, check_values
 from pipeclock.app.tasks import make_task
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
@@ -75,6 +76,7 @@ class TrainConfig:
     dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
+    balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:
@@ -93,6 +95,7 @@ class TrainConfig:
             self.microbatches, self.schedule = found, Path(self.schedule_csv).name
         self.microbatches = 8 if self.microbatches is None else self.microbatches
         check_values(self)
+        check_balance(self.balance)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -145,7 +148,8 @@ def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[t
     """
     task = task or make_task(config)
     placement = config.table(world).placement
-    return [part.to(comms.device()) for part in task.build(rank, world, placement)]
+    cut = stage_cut(config, config.table(world))
+    return [part.to(comms.device()) for part in task.build(rank, world, placement, cut)]
 
 
 def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -232,11 +232,18 @@ class GPT:
 
     @classmethod
     def for_rank(
-        cls, config: GPTConfig, rank: int, num_stages: int, chunks: int = 1, placement: PlacementLike = None
+        cls,
+        config: GPTConfig,
+        rank: int,
+        num_stages: int,
+        chunks: int = 1,
+        placement: PlacementLike = None,
+        cut: list[range] | None = None,
     ) -> list[nn.Sequential]:
-        """Rank ``rank``'s chunks in virtual-stage order (the loop placement unless given; ``"v"``...)."""
+        """Rank ``rank``'s chunks in virtual-stage order (the loop placement unless given; ``"v"``...);
+        ``cut`` gives every virtual stage's pieces (a cut by cost), by default `stage_pieces`'."""
         resolved = resolve_placement(placement, num_stages, chunks)
-        ranges = cls.stage_pieces(config, resolved.num_virtual)
+        ranges = cut or cls.stage_pieces(config, resolved.num_virtual)
         parts = [_pieces(config, ranges[v]) for v in virtual_stages(rank, num_stages, chunks, resolved)]
         _tie_locally(parts)
         return parts

@@ -12,6 +12,7 @@ Rank r's chunk c is virtual stage ``c * num_stages + r`` (see ``pipeclock.engine
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +28,20 @@ class ShardedMLP(nn.Module):
     stored under their global index (``layers.7.weight``) so names agree across any split.
     """
 
-    def __init__(self, hidden: int, num_layers: int = 16, stage: int = 0, num_stages: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        hidden: int,
+        num_layers: int = 16,
+        stage: int = 0,
+        num_stages: int = 1,
+        seed: int = 0,
+        cut: Sequence[range] | None = None,
+    ):
+        """``cut`` gives every stage's layers (a cut by cost); by default, `partition`'s by count."""
         super().__init__()
         check_stage(stage, num_stages)
         self.hidden, self.num_layers, self.stage, self.num_stages = hidden, num_layers, stage, num_stages
-        self.layer_indices = partition(num_layers, num_stages)[stage]
+        self.layer_indices = (cut or partition(num_layers, num_stages))[stage]
         self.layers = nn.ModuleDict({str(i): _seeded_linear(hidden, seed, i) for i in self.layer_indices})
 
     @classmethod
@@ -44,11 +54,12 @@ class ShardedMLP(nn.Module):
         chunks: int = 1,
         seed: int = 0,
         placement: PlacementLike = None,
+        cut: Sequence[range] | None = None,
     ) -> list[ShardedMLP]:
         """Rank ``rank``'s chunks as a list, in virtual-stage order (the loop placement unless given)."""
         resolved = resolve_placement(placement, num_stages, chunks)
         stages = virtual_stages(rank, num_stages, chunks, resolved)
-        return [cls(hidden, num_layers, v, resolved.num_virtual, seed) for v in stages]
+        return [cls(hidden, num_layers, v, resolved.num_virtual, seed, cut) for v in stages]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for index, layer in self.layers.items():

@@ -9,7 +9,7 @@ memory, and to prove it cannot hang.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pipeclock.engine.actions import (
     Action,
@@ -35,17 +35,19 @@ def default_costs(schedule: Schedule | None = None) -> dict[str, float]:
     return dict(DEFAULT_COSTS)
 
 
-def simulate(
-    schedule: Schedule, costs: Mapping[str, float] | None = None, comm_latency: float = 0.0
-) -> Timeline:
+Costs = Mapping[str, float] | Callable[[int, Action], float]
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None, comm_latency: float = 0.0) -> Timeline:
     """The timeline of ``schedule`` when each op costs ``costs[op]`` and each hop ``comm_latency``.
 
-    ``costs`` may name only some ops; the others keep `default_costs`. Raises ``ValueError`` for a
-    malformed schedule and `DeadlockError` for one that can never finish.
+    ``costs`` may name only some ops; the others keep `default_costs`. It may also be a function
+    ``(rank, action) -> cost``, for stages that differ (a cut by layer count of unequal layers). Raises
+    ``ValueError`` for a malformed schedule and `DeadlockError` for one that can never finish.
     """
     num_stages, num_microbatches, chunks = _shape(schedule)
     validate(schedule, num_stages, num_microbatches, chunks)
-    durations = _durations(schedule, costs)
+    durations = costs if callable(costs) else _fixed(_durations(schedule, costs))
     if comm_latency < 0:
         raise ValueError(f"comm_latency must be >= 0, got {comm_latency}")
     run = _Run(schedule, durations, comm_latency)
@@ -76,10 +78,14 @@ def _durations(schedule: Schedule, costs: Mapping[str, float] | None) -> dict[st
     return durations
 
 
+def _fixed(durations: dict[str, float]) -> Callable[[int, Action], float]:
+    return lambda _rank, action: durations[action.op]
+
+
 class _Run:
     """The simulation state: where each rank is in its list, when it is free, what has finished."""
 
-    def __init__(self, schedule: Schedule, durations: dict[str, float], latency: float) -> None:
+    def __init__(self, schedule: Schedule, durations: Callable[[int, Action], float], latency: float) -> None:
         self.schedule = schedule
         self.durations = durations
         self.latency = latency
@@ -113,7 +119,7 @@ class _Run:
             return False
         start = max(self.free_at[rank], ready)
         for action in group:
-            end = start + self.durations[action.op]
+            end = start + self.durations(rank, action)
             self.spans.append(Span(rank, action, start, end))
             for event in produces(action):
                 self.done[(rank, event)] = end

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stages is the number of processes torchrun starts (--nproc-per-node)",
     )  # fmt: skip
     parser.add_argument(
+        "--balance", default=defaults.balance, choices=("layers", "time", "memory"),
+        help="where the model is cut: equal layer counts (default), or equal measured time (F + B) or "
+        "memory per stage, from a short profile of each layer on rank 0",
+    )  # fmt: skip
+    parser.add_argument(
         "--microbatches", type=int, help="micro-batches per step (default 8, or the --schedule-csv file's)"
     )
     parser.add_argument(

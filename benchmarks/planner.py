@@ -1,0 +1,405 @@
+"""The planner against real runs: predicted and measured per-rank memory and step time.
+
+    python -m benchmarks.planner            # two ranks; writes benchmarks/results/planner.{json,md}
+    python -m benchmarks.planner --quick    # fewer steps, for a smoke run
+    python -m benchmarks.planner --models gpt-vocab --rounds 10 --steps 4 --name planner-balance
+
+For each model (the MLP, the GPT) and schedule, both ranks build their stage, train a few steps with
+Adam and measure: the activation meter's peak, the growth of the process's resident memory from just
+before the stage is built to its high-water mark (``VmHWM``), and the step time (the slowest rank's
+``Pipeline.step``, median over the timed steps). Right before each case every rank profiles each layer
+kind (one thread, the micro-batch the run uses, all ranks at once as in the run, so a busy machine
+slows both alike), and the planner predicts the same three figures from the ranks' mean profile.
+
+Memory and time are measured in separate launches. Memory is read with glibc's mmap threshold fixed
+low (``MALLOC_MMAP_THRESHOLD_``, 16 KiB): by default glibc raises it as large blocks are freed, after
+which freed tensors stay in its heap, and a heap shared by many small tensors fragments, so the
+high-water mark counts memory the program no longer holds (3-6 MiB of a GPT rank's 20 at 128 KiB).
+Time is measured with glibc's default, which is how the engine runs.
+
+Then the GPT with a real-sized vocabulary (4096 tokens: a head that costs more than a block) runs cut
+by layer count and cut by time, to compare the gain the simulator predicts with the gain measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import rss
+from benchmarks.launch import ROOT, torchrun
+from benchmarks.worker import release_memory
+from pipeclock import comms
+from pipeclock.engine.actions import placement_of
+from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
+from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.orchestrator import Pipeline
+from pipeclock.models.gpt import GPT, GPTConfig
+from pipeclock.models.mlp import ShardedMLP
+from pipeclock.observe.planner import cut_for, judge
+from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
+MICROBATCHES = 8
+MMAP_THRESHOLD = 16 * 1024  # bytes: every block this large or larger is its own mapping
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    kind: str  # "mlp" or "gpt"
+    batch: int
+    hidden: int = 1024
+    layers: int = 16
+    gpt: GPTConfig | None = None
+
+    def spec(self):
+        return gpt_spec(self.gpt) if self.kind == "gpt" else mlp_spec(self.hidden, self.layers)
+
+    def build(self, rank: int, world: int, table, cut) -> list[torch.nn.Module]:
+        placement = placement_of(table)
+        chunks = len(placement.stages[rank])
+        if self.kind == "gpt":
+            return GPT.for_rank(self.gpt, rank, world, chunks, placement, cut)
+        return ShardedMLP.for_rank(self.hidden, self.layers, rank, world, chunks, 0, placement, cut)
+
+    def batch_data(self, step: int):
+        generator = torch.Generator().manual_seed(step)
+        if self.kind == "gpt":
+            ids = torch.randint(
+                0, self.gpt.vocab_size, (self.batch, self.gpt.seq_len + 1), generator=generator
+            )
+            return ids[:, :-1], ids[:, 1:], TokenCrossEntropy()
+        x = torch.randn(self.batch, self.hidden, generator=generator)
+        return x, torch.randn(self.batch, self.hidden, generator=generator), F.mse_loss
+
+
+MODELS = {
+    "mlp": Model("ShardedMLP 16 x 1024, batch 256", "mlp", batch=256),
+    "gpt": Model("GPT 4 blocks x 128 (vocab 256, seq 128), batch 16", "gpt", batch=16, gpt=GPTConfig()),
+    "gpt-vocab": Model(
+        "GPT 4 blocks x 128 (vocab 4096, seq 128), batch 16", "gpt", batch=16, gpt=GPTConfig(vocab_size=4096)
+    ),
+}
+
+
+def table_for(schedule: str, world: int, m: int):
+    chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
+    return generate(schedule, world, m, chunks)
+
+
+def measure_memory(model: Model, schedule: str, cut, steps: int):
+    """Build this rank's stage, train ``steps`` steps; the meter's peak and the resident growth.
+
+    Returns the pipeline and its optimizer too, for the timed rounds that follow.
+    """
+    rank, world = comms.get_rank(), comms.get_world_size()
+    release_memory()
+    comms.barrier("lining up before a case")
+    base = rss.current_bytes()
+    rss.reset_peak()
+    table = table_for(schedule, world, MICROBATCHES)
+    modules = model.build(rank, world, table, cut)
+    built = rss.peak_bytes() - base
+    inputs, targets, loss_fn = model.batch_data(0)
+    pipe = Pipeline(modules, table, MICROBATCHES, loss_fn)
+    seen = {id(p): p for m in modules for p in m.parameters()}
+    optimizer = torch.optim.Adam(list(seen.values()), lr=1e-4)
+    peaks, growth = [], []
+    for _ in range(steps):
+        peaks.append(_train_step(pipe, optimizer, inputs, targets))
+        growth.append(rss.peak_bytes() - base)
+    measured = {
+        "rank": rank,
+        "activations": max(peaks),
+        "rss_growth": growth[-1],
+        "rss_steps": [built, *growth],
+    }
+    return measured, (pipe, optimizer, inputs, targets)
+
+
+def _train_step(pipe: Pipeline, optimizer, inputs, targets) -> int:
+    optimizer.zero_grad(set_to_none=True)
+    comms.barrier("lining up before a step")
+    pipe.step(inputs, targets)
+    optimizer.step()
+    return pipe.last.peak_activation_bytes
+
+
+def timed_rounds(model: Model, schedule: str, cases: dict, rounds: int, steps: int) -> dict[str, list[dict]]:
+    """Rounds of (a fresh profile, then ``steps`` timed steps of each case in turn): each round's
+    prediction beside what it measured, so a machine whose speed drifts is judged round by round, and
+    cases run side by side (``cases``: name -> (cut, running pipeline)) see the same machine."""
+    found: dict[str, list[dict]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        layers = shared_profile(model)
+        world = comms.get_world_size()
+        predicted = {
+            name: judge(layers, schedule, world, MICROBATCHES, cut=cut).step_time
+            for name, (cut, _) in cases.items()
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(steps):
+            for name, (_, (pipe, optimizer, inputs, targets)) in cases.items():
+                _train_step(pipe, optimizer, inputs, targets)
+                seconds[name].append(max(comms.all_gather_object(pipe.last.seconds, "sharing step times")))
+        for name in cases:
+            found[name].append(
+                {
+                    "predicted_s": predicted[name],
+                    "measured_s": statistics.median(seconds[name]),
+                    "steps_s": seconds[name],
+                    "load": os.getloadavg()[0],  # the machine's 1-minute load (2 cores here)
+                }
+            )
+    return found
+
+
+def shared_profile(model: Model) -> list:
+    """Every rank profiles the model at once (as busy as in the run), then all take the ranks' mean."""
+    samples = model.batch // MICROBATCHES
+    mine = profile(model.spec(), samples)
+    everyone = comms.all_gather_object(mine, "sharing the profiles")
+    times = ("forward", "backward", "input_grad", "weight_grad")
+    return [
+        replace(layer, **{t: statistics.fmean(getattr(ranks[i], t) for ranks in everyone) for t in times})
+        for i, layer in enumerate(everyone[0])
+    ]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Each model and schedule, after a fresh profile: its memory (``--phase memory``) or its timed
+    rounds (``--phase time``); the launcher runs each phase in its own processes. The two cuts of the
+    GPT with a large vocabulary are timed side by side, step for step."""
+    rank, world = comms.init(timeout=300.0)
+    out = []
+    for key in args.models:
+        model = MODELS[key]
+        balances = ("layers", "time") if key == "gpt-vocab" else ("layers",)
+        schedules = ("1f1b",) if key == "gpt-vocab" else SCHEDULES
+        for schedule in schedules:
+            layers = shared_profile(model)
+            num_virtual = placement_of(table_for(schedule, world, MICROBATCHES)).num_virtual
+            cuts = {balance: cut_for(layers, num_virtual, balance) for balance in balances}
+            memory, running = {}, {}
+            for balance, cut in cuts.items():
+                steps = 2 if args.phase == "memory" else 1
+                memory[balance], running[balance] = measure_memory(model, schedule, cut, steps)
+                if args.phase == "memory":
+                    running.pop(balance)  # measured alone: free it before the next
+            timed = {}
+            if args.phase == "time":
+                cases = {balance: (cuts[balance], running[balance]) for balance in cuts}
+                timed = timed_rounds(model, schedule, cases, args.rounds, args.steps)
+            running.clear()
+            for balance, cut in cuts.items():
+                ranks = comms.gather_object(memory[balance], "gathering a case")
+                if rank == 0:
+                    rounds = timed.get(balance, [])
+                    out.append(_record(key, model, schedule, balance, layers, cut, ranks, rounds))
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    comms.barrier("finishing")
+    comms.shutdown()
+
+
+def _record(key: str, model: Model, schedule: str, balance: str, layers, cut, ranks, rounds) -> dict:
+    plan = judge(layers, schedule, len(ranks), MICROBATCHES, cut=cut, simulated=False)
+    if not rounds:  # the memory phase
+        return {
+            "activations": [m.activations for m in plan.memory],
+            "total": [m.total for m in plan.memory],
+            "parts": [m.parts for m in plan.memory],
+            "measured_activations": [r["activations"] for r in ranks],
+            "rss_growth": [r["rss_growth"] for r in ranks],
+            "rss_steps": [r["rss_steps"] for r in ranks],
+        }
+    return {
+        "model": key,
+        "description": model.name,
+        "schedule": schedule,
+        "balance": balance,
+        "cut": [[part.start, part.stop] for part in cut],
+        "predicted": {"step_s": statistics.median(r["predicted_s"] for r in rounds)},
+        "measured": {"step_s": statistics.median(r["measured_s"] for r in rounds)},
+        "step_ratio": statistics.median(r["predicted_s"] / r["measured_s"] for r in rounds),
+        "rounds": rounds,
+    }
+
+
+def _progress(record: dict) -> str:
+    p, m = record["predicted"], record["measured"]
+    return (
+        f"  {record['model']} {record['schedule']} ({record['balance']}): step {m['step_s'] * 1e3:.1f} ms "
+        f"(predicted {p['step_s'] * 1e3:.1f}), activations {m['activations']} "
+        f"(predicted {p['activations']}), resident growth {m['rss_growth']} (predicted {p['total']})"
+    )
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}" if measured else "-"
+
+
+def _step_error(record: dict) -> str:
+    """The median over rounds of each round's (predicted - measured) / measured."""
+    return f"{record['step_ratio'] - 1:+.1%}"
+
+
+def _mb(count: float) -> str:
+    return f"{count / 2**20:.2f}"
+
+
+def markdown(records: list[dict], command: str, seconds: float, loads: list[float]) -> str:
+    lines = [
+        "# The planner against real runs",
+        "",
+        f"`{command}` ({seconds:.0f} s), 2 ranks, {MICROBATCHES} micro-batches, fp32, no recompute, Adam. "
+        "Memory in MiB per rank (rank 0 / rank 1); error = (predicted - measured) / measured; the step's "
+        "error is the median over rounds of each round's. The machine's 1-minute load average during the "
+        f"timed rounds: {min(loads):.1f} to {max(loads):.1f} (on 2 cores).",
+    ]
+    compared = [r for r in records if r["balance"] == "layers" and r["model"] != "gpt-vocab"]
+    if compared:
+        lines += [
+            "",
+            "| model | schedule | activations predicted | measured | error | memory predicted "
+            "| resident growth | error | step predicted (ms) | measured (ms) | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+    for r in compared:
+        p, m = r["predicted"], r["measured"]
+        act_err = " / ".join(_error(a, b) for a, b in zip(p["activations"], m["activations"], strict=True))
+        mem_err = " / ".join(_error(a, b) for a, b in zip(p["total"], m["rss_growth"], strict=True))
+        lines.append(
+            f"| {r['model']} | {r['schedule']} | {' / '.join(map(_mb, p['activations']))} "
+            f"| {' / '.join(map(_mb, m['activations']))} | {act_err} | {' / '.join(map(_mb, p['total']))} "
+            f"| {' / '.join(map(_mb, m['rss_growth']))} | {mem_err} | {p['step_s'] * 1e3:.1f} "
+            f"| {m['step_s'] * 1e3:.1f} | {_step_error(r)} |"
+        )
+    balanced = [r for r in records if r["model"] == "gpt-vocab"]
+    if len(balanced) == 2:
+        by_count, by_time = balanced
+        lines += [
+            "",
+            "## Cut by time against cut by layer count (GPT, vocab 4096, 1F1B)",
+            "",
+            "| balance | cut (pieces per stage) | step predicted (ms) | step measured (ms) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in balanced:
+            cut = " + ".join(str(b - a) for a, b in r["cut"])
+            lines.append(
+                f"| {r['balance']} | {cut} | {r['predicted']['step_s'] * 1e3:.1f} "
+                f"| {r['measured']['step_s'] * 1e3:.1f} |"
+            )
+        pairs = list(zip(by_count["rounds"], by_time["rounds"], strict=True))
+        gain_p = 1 - statistics.median(t["predicted_s"] / c["predicted_s"] for c, t in pairs)
+        steps = [(a, b) for c, t in pairs for a, b in zip(c["steps_s"], t["steps_s"], strict=True)]
+        gain_m = 1 - statistics.median(b / a for a, b in steps)
+        lines += [
+            "",
+            f"Cutting by time shortens the step by {gain_m:.1%} measured and {gain_p:.1%} predicted: the "
+            f"median over {len(steps)} pairs of steps (the two pipelines step in turn, so each pair shares "
+            f"the machine's state) and over {len(pairs)} profiles. The medians of each column alone swing "
+            "with the machine's load; the paired figure is the one to read.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _malloc_threshold(threshold: int | None):
+    """Launch with glibc's mmap threshold fixed (memory phase) or glibc's own (time phase: a fixed
+    threshold maps and zeroes every large tensor afresh, which slows layers down by a factor of three)."""
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    try:
+        yield
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def _merged(timed: dict, memory: dict) -> dict:
+    record = dict(timed)
+    record["predicted"] = {**timed["predicted"], **{k: memory[k] for k in ("activations", "total", "parts")}}
+    record["measured"] = {
+        **timed["measured"],
+        "activations": memory["measured_activations"],
+        "rss_growth": memory["rss_growth"],
+        "rss_after_build_and_each_step": memory["rss_steps"],
+    }
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("memory", "time"), help=argparse.SUPPRESS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case, each after a profile")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
+    parser.add_argument("--quick", action="store_true", help="two rounds of one step per case")
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="planner", help="results file name (default planner)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    rounds, steps = (2, 1) if args.quick else (args.rounds, args.steps)
+    command = shlex.join(
+        ["python", "-m", "benchmarks.planner", *(argv if argv is not None else sys.argv[1:])]
+    )
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pipeclock-planner-") as scratch:
+        found = {}
+        for phase in ("memory", "time"):
+            out = Path(scratch) / f"{phase}.json"
+            extra = [
+                "--models",
+                *args.models,
+                "--rounds",
+                str(rounds),
+                "--steps",
+                str(steps),
+                "--phase",
+                phase,
+            ]
+            launch = ["--worker", "--out", str(out), *extra]
+            with _malloc_threshold(MMAP_THRESHOLD if phase == "memory" else None):
+                torchrun("benchmarks.planner", 2, launch, timeout=1800)
+            found[phase] = json.loads(out.read_text())
+        records = [
+            _merged(timed, memory) for timed, memory in zip(found["time"], found["memory"], strict=True)
+        ]
+    seconds = time.perf_counter() - start
+    loads = [r["load"] for record in records for r in record["rounds"]]
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / f"{args.name}.json").write_text(
+        json.dumps({"command": command, "seconds": seconds, "loads": loads, "records": records}, indent=1)
+        + "\n"
+    )
+    (args.results_dir / f"{args.name}.md").write_text(markdown(records, command, seconds, loads))
+    print(f"wrote {args.results_dir / args.name}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""``train --balance layers|time|memory``: where the model is cut, the same on every rank.
+
+By layer count every rank knows the cut without a word. By time or by memory the cut follows measured
+per-layer costs (``pipeclock.observe.profile``), and timings differ from process to process: so rank 0
+alone measures, one layer at a time (the profile never holds more than one layer, so it needs no more
+memory than the stage rank 0 is about to build), cuts, and every rank takes rank 0's cut.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeclock import comms
+from pipeclock.engine.actions import placement_of
+from pipeclock.observe.planner import BALANCES, Training, cut_for
+
+
+def check_balance(balance: str) -> None:
+    if balance not in BALANCES:
+        raise ValueError(f"--balance must be one of {', '.join(BALANCES)}, got {balance!r}")
+
+
+def stage_cut(config, table) -> list[range] | None:
+    """The cut that ``config.balance`` asks for, for the schedule ``table`` (whose placement says how
+    many virtual stages); None for the layer count (the models' own default cut)."""
+    check_balance(config.balance)
+    if config.balance == "layers":
+        return None
+    num_virtual = placement_of(table).num_virtual
+    cut = _measured_cut(config, num_virtual, table) if comms.get_rank() == 0 else None
+    cut = comms.all_gather_object(cut, "sharing rank 0's cut of the model")[0]
+    if comms.get_rank() == 0:
+        shown = " | ".join(f"{part.start}..{part.stop - 1}" for part in cut)
+        by_count = _by_count(config, num_virtual)
+        print(f"--balance {config.balance}: layers per stage {shown} (by count: {by_count})", flush=True)
+    return cut
+
+
+def _by_count(config, num_virtual: int) -> str:
+    from pipeclock.models.split import partition
+
+    layers = config.layers + 2 if config.model == "gpt" else config.layers
+    return " | ".join(f"{part.start}..{part.stop - 1}" for part in partition(layers, num_virtual))
+
+
+def _measured_cut(config, num_virtual: int, table) -> list[range]:
+    from pipeclock.models.gpt import GPTConfig
+    from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+
+    if config.model == "gpt":
+        gpt = GPTConfig(
+            dim=config.dim, layers=config.layers, heads=config.heads, seq_len=config.seq_len, seed=config.seed
+        )
+        spec = gpt_spec(gpt)
+    else:
+        spec = mlp_spec(config.hidden, config.layers, config.seed)
+    samples = math.ceil(config.batch_size / config.dp / config.microbatches)  # one replica's micro-batch
+    return cut_for(profile(spec, samples), num_virtual, config.balance, Training(), table)

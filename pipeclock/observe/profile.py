@@ -1,0 +1,352 @@
+"""Per-layer costs, measured on one process: each layer's F, B, I and W time, and the bytes it holds.
+
+A cut by layer count assumes every layer costs the same; a GPT's embedding costs almost nothing and its
+head (a vocabulary-wide matrix and the loss) can cost several blocks. So a cut by time or by memory
+needs each layer's own cost. This module measures them the way the engine runs them: the forward under
+the same saved-tensor accounting as ``ActivationMeter``, the backward whole or split into I and W with
+the engine's own functions, the last layer with the loss.
+
+Only one layer exists at a time (the memory wall: the profile must not need the whole model), and
+layers built alike (every block of a GPT, every hidden layer of the MLP) are measured once, with the
+output of the previous kind as input. Identical layers then cost exactly the same, so a cut by time
+follows the model's real differences, never the noise of a busy machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeclock.engine import pytree
+from pipeclock.engine.backward import (
+    ParameterOutputs,
+    backward_input,
+    backward_weight,
+    backward_whole,
+    held_tensors,
+)
+from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.models.gpt import GPTConfig, build_piece, piece_name
+from pipeclock.models.mlp import ShardedMLP
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's costs for a micro-batch of ``samples`` samples (times in seconds, sizes in bytes).
+
+    The byte counts follow the activation meter's rule (each distinct non-parameter tensor once) and are
+    split so that a stage's total can be assembled from its layers: ``held`` is what the layer saves
+    apart from its input and output; ``keeps_input`` and ``keeps_output`` say how much of those it saves
+    too; ``input_bytes`` are all its input's tensors (a stage stashes its input) and ``output_bytes``
+    the tensors it creates (``message_bytes``: all it hands on, pass-through tensors included).
+    """
+
+    name: str
+    kind: str
+    samples: int
+    parameters: int
+    forward: float
+    backward: float  # the whole backward as the engine runs it unsplit
+    input_grad: float  # I: the input's gradient only
+    weight_grad: float  # W: the weights' gradients, after I
+    held: int
+    keeps_input: int
+    keeps_output: int
+    input_bytes: int
+    output_bytes: int
+    message_bytes: int
+    weight_held: int  # what W keeps alive between I and W
+    workspace: int  # the most memory its F and B need beyond what they keep (temporaries), measured
+    loss_held: int  # what the loss keeps from F to B (the last layer only; the meter does not see it)
+    unmetered: int  # what F keeps beyond ``held`` in whole storages (views, the engine's captures)
+    largest_parameter: int  # bytes of its largest parameter tensor (the optimizer's temporaries)
+    keeps_graph: bool  # W goes back through autograd (a module with parameters that is not a Linear)
+    recomputable: bool  # a block that activation recompute may drop and recompute
+
+    def scaled(self, samples: int) -> LayerCost:
+        """The same layer for another micro-batch size: bytes and times in proportion to the samples.
+
+        Times are not quite proportional (small batches pay fixed overheads): measure at the size you
+        run when the figure matters.
+        """
+        k = samples / self.samples
+        sizes = ("held", "keeps_input", "keeps_output", "input_bytes", "output_bytes", "message_bytes")
+        scaled = (*sizes, "weight_held", "workspace", "loss_held", "unmetered")
+        changed = {name: round(getattr(self, name) * k) for name in scaled}
+        times = {
+            name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
+        }
+        return replace(self, samples=samples, **changed, **times)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build and feed a model one layer at a time.
+
+    ``build(i)`` makes layer i alone (from (seed, i), as a stage would); ``kind(i)`` names its build
+    (layers of one kind are measured once); ``batch(n)`` gives a micro-batch's inputs and targets.
+    """
+
+    name: str
+    num_layers: int
+    build: Callable[[int], nn.Module]
+    kind: Callable[[int], str]
+    layer_name: Callable[[int], str]
+    batch: Callable[[int], tuple]
+    loss_fn: Callable
+    recomputable: Callable[[int], bool]
+
+
+def mlp_spec(hidden: int, layers: int, seed: int = 0) -> ModelSpec:
+    """``ShardedMLP``: layer i is a one-layer stage (Linear and ReLU; the last has no ReLU)."""
+
+    def batch(n: int) -> tuple:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(n, hidden, generator=generator), torch.randn(n, hidden, generator=generator)
+
+    return ModelSpec(
+        name=f"ShardedMLP {layers} x {hidden}",
+        num_layers=layers,
+        build=lambda i: ShardedMLP(hidden, layers, stage=i, num_stages=layers, seed=seed),
+        kind=lambda i: "last" if i == layers - 1 else "layer",
+        layer_name=str,
+        batch=batch,
+        loss_fn=F.mse_loss,
+        recomputable=lambda i: True,
+    )
+
+
+def gpt_spec(config: GPTConfig) -> ModelSpec:
+    """The GPT's pieces: the embedding, the blocks, the head (which also computes the loss)."""
+    last = config.num_pieces - 1
+
+    def batch(n: int) -> tuple:
+        generator = torch.Generator().manual_seed(config.seed)
+        ids = torch.randint(0, config.vocab_size, (n, config.seq_len + 1), generator=generator)
+        return ids[:, :-1], ids[:, 1:]
+
+    return ModelSpec(
+        name=f"GPT {config.layers} blocks x {config.dim}",
+        num_layers=config.num_pieces,
+        build=lambda i: nn.Sequential(OrderedDict([(piece_name(i, config), build_piece(i, config))])),
+        kind=lambda i: "embed" if i == 0 else ("head" if i == last else "block"),
+        layer_name=lambda i: piece_name(i, config),
+        batch=batch,
+        loss_fn=TokenCrossEntropy(),
+        recomputable=lambda i: 0 < i < last,
+    )
+
+
+def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) -> list[LayerCost]:
+    """Every layer's costs for micro-batches of ``samples`` samples, each kind of layer measured once,
+    one layer alive at a time: the least time of ``repeats`` runs after ``warmup`` runs (on a shared
+    machine noise only ever adds time, and the cut needs the layers' costs relative to each other).
+    """
+    inputs, targets = spec.batch(samples)
+    measured: dict[str, LayerCost] = {}
+    flowing = inputs
+    for index in range(spec.num_layers):
+        kind = spec.kind(index)
+        if kind in measured:
+            continue
+        layer = spec.build(index)
+        last = index == spec.num_layers - 1
+        cost, flowing = _measure(
+            layer, flowing, targets if last else None, spec.loss_fn, index == 0, repeats, warmup
+        )
+        measured[kind] = replace(cost, kind=kind, samples=samples, recomputable=spec.recomputable(index))
+        del layer
+    return [
+        replace(measured[spec.kind(i)], name=spec.layer_name(i), recomputable=spec.recomputable(i))
+        for i in range(spec.num_layers)
+    ]
+
+
+Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
+
+
+def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: int, warmup: int):
+    """One layer's costs, and its output (detached) to feed the next kind of layer."""
+    capture = ParameterOutputs([layer])
+    parameters = {p.data_ptr() for p in layer.parameters()}
+    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "peak": []}
+    for run in range(warmup + repeats):
+        for split in (False, True):
+            record = _one_pass(layer, given, targets, loss_fn, capture, first, split)
+            if run >= warmup:
+                for op, seconds in record.times.items():
+                    samples[op].append(seconds)
+    sizes = _sizes(record, parameters)
+    gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
+    kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
+    workspace = max(0, round(statistics.median(samples["peak"])) - kept)
+    keeps_graph = capture.keeps_graph
+    whole = min(samples["B"])
+    split_total = min(samples["I"]) + min(samples["W"])
+    cost = LayerCost(
+        largest_parameter=max((p.numel() * p.element_size() for p in layer.parameters()), default=0),
+        name="",
+        kind="",
+        samples=0,
+        parameters=sum(p.numel() for p in layer.parameters()),
+        forward=min(samples["F"]),
+        backward=whole if keeps_graph else split_total,  # what the engine does for an unsplit B
+        input_grad=min(samples["I"]),
+        weight_grad=min(samples["W"]),
+        keeps_graph=keeps_graph,
+        recomputable=False,
+        workspace=workspace,
+        **sizes,
+    )
+    return cost, pytree.tree_map(lambda t: t.detach(), record.output)
+
+
+@dataclass
+class _Pass:
+    output: object
+    inputs: list[torch.Tensor]
+    saved: list[tuple[int, int]]
+    loss_saved: list[tuple[int, int]]
+    targets: list[torch.Tensor]
+    kept: list[torch.Tensor]  # every tensor F keeps for B: saved by autograd or captured by the engine
+    held_after_input_grad: list[torch.Tensor]
+    times: dict[str, float]
+
+
+def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: bool, split: bool) -> _Pass:
+    """F, then B (or I and W when ``split``), timed; the layer's gradients are dropped after.
+
+    A received input is a fresh leaf that wants its gradient, as in the engine; the model's own input
+    (``first``) wants none.
+    """
+    wants_grad = (lambda t: False) if first else pytree.carries_gradient
+    fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, given)
+    inputs = [leaf for leaf in pytree.gradient_leaves(fed) if leaf.requires_grad]
+    saved: list[tuple[int, int]] = []
+    loss_saved: list[tuple[int, int]] = []
+    kept: list[torch.Tensor] = []
+
+    def into(found: list[tuple[int, int]], tensors: list[torch.Tensor] | None = None):
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            found.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            if tensors is not None:
+                tensors.append(tensor.detach())
+            return tensor
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    layer.zero_grad(set_to_none=True)
+    base = _memory.start()
+    start = _now()
+    with into(saved, kept), capture.capture() as captured:
+        output = layer(fed)
+    kept += [t for c in captured for t in (c.input, c.output) if t is not None]
+    if targets is not None:
+        with into(loss_saved):
+            roots, grads = [loss_fn(output, targets)], None
+    else:
+        roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
+        grads = [torch.ones_like(leaf) for leaf in roots]
+    times = {"F": _now() - start}
+    held: list[torch.Tensor] = []
+    start = _now()
+    if split:
+        _, work = backward_input(roots, grads, inputs, captured, capture.keeps_graph)
+        times["I"] = _now() - start
+        held = held_tensors(work)
+        start = _now()
+        backward_weight(work)
+        times["W"] = _now() - start
+    else:
+        backward_whole(roots, grads, inputs)
+        times["B"] = _now() - start
+        times["peak"] = _memory.peak() - base
+    layer.zero_grad(set_to_none=True)
+    given_targets = pytree.leaves(targets) if targets is not None else []
+    return _Pass(output, pytree.leaves(fed), saved, loss_saved, given_targets, kept, held, times)
+
+
+def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
+    def located(tensors) -> Located:
+        return {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+
+    inputs, outputs = located(record.inputs), located(pytree.leaves(record.output))
+    saved = {item for item in record.saved if item[0] not in parameters}
+    new_outputs = outputs - inputs
+
+    def total(items: Located) -> int:
+        return sum(nbytes for _, nbytes in items)
+
+    targets = located(record.targets)
+    loss_saved = {item for item in record.loss_saved if item[0] not in parameters} - outputs - targets
+    held = total(saved - inputs - outputs)
+    return {
+        "unmetered": max(0, _storage_bytes(record, parameters) - held),
+        "loss_held": total(loss_saved),
+        "held": held,
+        "keeps_input": total(saved & inputs),
+        "keeps_output": total(saved & new_outputs),
+        "input_bytes": total(inputs),
+        "output_bytes": total(new_outputs),
+        "message_bytes": total(outputs),
+        "weight_held": total(located(record.held_after_input_grad)),
+    }
+
+
+def _storage_bytes(record: _Pass, parameters: set[int]) -> int:
+    """The whole storages behind what F keeps, those of its inputs, outputs and parameters excepted:
+    a saved view keeps its whole base alive, and the meter counts only the view."""
+
+    def storages(tensors) -> dict[int, int]:
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+    kept = storages(record.kept)
+    skip = set(storages(record.inputs)) | set(storages(pytree.leaves(record.output))) | parameters
+    return sum(nbytes for pointer, nbytes in kept.items() if pointer not in skip)
+
+
+class _Memory:
+    """The most memory allocated since ``start``: CUDA's own counter, or on a CPU the kernel's
+    resident high-water mark (Linux), which sees large temporaries once the allocator returns freed
+    blocks to the system (set ``MALLOC_MMAP_THRESHOLD_``); elsewhere 0."""
+
+    _status = Path("/proc/self/status")
+
+    def start(self) -> int:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+        return self._read("VmRSS")
+
+    def peak(self) -> int:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated()
+        return self._read("VmHWM")
+
+    def _read(self, field: str) -> int:
+        try:
+            match = re.search(rf"^{field}:\s+(\d+) kB", self._status.read_text(), re.MULTILINE)
+        except OSError:
+            return 0
+        return int(match.group(1)) * 1024 if match else 0
+
+
+_memory = _Memory()
+
+
+def _now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()

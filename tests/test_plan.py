@@ -1,0 +1,237 @@
+"""The planner: memory per rank and step time before any run, checked by hand and against a real run."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeclock.app.cli import main
+from pipeclock.app.plan_models import rough_layers
+from pipeclock.engine.actions import parse_schedule, placement_of
+from pipeclock.engine.generators import generate, gpipe, one_f_one_b
+from pipeclock.observe.planner import (
+    Recompute,
+    StageBytes,
+    Training,
+    activation_peak,
+    cut_for,
+    in_flight,
+    judge,
+    parse_bytes,
+    rank_memory,
+    stage_bytes,
+    step_time,
+    unmetered_peak,
+)
+from pipeclock.observe.profile import mlp_spec, profile
+from tests.distributed import run_ok
+
+MB_TENSOR = 16 * 1000 * 4  # one (16, 1000) fp32 activation
+
+
+def layers(n=4, samples=16, params=1_000_000):
+    """n rough layers of width 1000: each (16, 1000) tensor is 64 KB; F = 1, B = 2, I = W = 1."""
+    return rough_layers(params * n, n, samples)
+
+
+# --- sizes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("24GB", 24 * 10**9), ("24GiB", 24 * 2**30), ("512MB", 512 * 10**6), ("1.5tb", 1_500_000_000_000),
+     ("64 KiB", 65536), ("7B", 7)],
+)  # fmt: skip
+def test_sizes_are_read_in_decimal_and_binary_units(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["24XB", "24", "GB", "24 G B"])
+def test_a_size_without_a_known_unit_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+# --- the memory model, by hand ------------------------------------------------------------------------
+
+
+def test_a_stage_holds_its_input_each_inner_boundary_once_and_its_output():
+    # 3 MLP layers: input, 2 inner boundaries (saved by a ReLU and the next Linear: counted once), output
+    assert stage_bytes(layers()[:3]).forward == 4 * MB_TENSOR
+    assert stage_bytes(layers()[:1]).forward == 2 * MB_TENSOR
+    # bf16 halves the activations
+    assert stage_bytes(layers()[:3], Training(dtype="bf16")).forward == 2 * MB_TENSOR
+
+
+def test_full_recompute_keeps_block_inputs_and_holds_one_block_during_its_backward():
+    bytes_ = stage_bytes(layers()[:3], Training(recompute=Recompute.parse("full")))
+    # the stage input and output; the inputs of blocks 1 and 2; during a backward, one block's whole
+    assert bytes_.forward == 4 * MB_TENSOR
+    assert bytes_.backward_extra == MB_TENSOR
+    two = stage_bytes(layers(6)[:6], Training(recompute=Recompute.parse("every-3")))
+    none = stage_bytes(layers(6)[:6])
+    assert two.forward == 3 * MB_TENSOR  # input, output, and the second segment's input
+    assert none.forward == 7 * MB_TENSOR
+    assert two.backward_extra == 3 * MB_TENSOR  # a segment: its input and two inner boundaries
+
+
+def test_what_the_meter_misses_is_held_from_each_forward_to_its_backward():
+    chunk = [StageBytes(forward=10, weight_work=0, backward_extra=0, loss=3, unmetered=1)]
+    (rank,) = parse_schedule(["F0 F1 F2 B0 B1 B2"])
+    assert unmetered_peak(rank, chunk) == 12
+    (split,) = parse_schedule(["F0 I0 F1 W0 I1 W1"])
+    assert unmetered_peak(split, chunk, keeps_graph=True) == 5  # F1 after I0: 1 (W0 needs the graph) + 4
+    assert unmetered_peak(split, chunk, keeps_graph=False) == 4  # the loss's backward is part of I
+
+
+def test_the_activation_peak_follows_the_ranks_own_order_of_actions():
+    chunk = [StageBytes(forward=10, weight_work=4, backward_extra=0)]
+    (rank,) = parse_schedule(["F0 F1 B0 F2 B1 B2"])
+    assert activation_peak(rank, chunk) == 20
+    (split,) = parse_schedule(["F0 I0 F1 W0 I1 W1"])
+    assert activation_peak(split, chunk, keeps_graph=False) == 14  # after I0 only W's 4 bytes stay
+    assert activation_peak(split, chunk, keeps_graph=True) == 24  # the graph stays too: 14 + 10
+
+
+def test_rank_memory_adds_weights_gradients_adam_state_activations_and_message_buffers():
+    model = [replace(layer, largest_parameter=4 * 1000 * 1000) for layer in layers(4)]  # unfused Adam
+    table = one_f_one_b(2, 4)
+    cut = [range(0, 2), range(2, 4)]
+    first, last = rank_memory(model, cut, table)
+    params = 2 * 1000 * 1000  # two bias-free layers
+    assert (first.parameters, first.gradients, first.optimizer) == (4 * params, 4 * params, 8 * params)
+    # rank 0 of 1F1B on two stages holds two micro-batches of (input, boundary, output)
+    assert first.activations == 2 * 3 * MB_TENSOR
+    assert last.activations == 1 * 3 * MB_TENSOR
+    assert first.messages == MB_TENSOR and last.messages == MB_TENSOR  # a gradient in / an activation in
+    # workspace: a backward's input gradient (the rough layers' temporary); no loss kept (MSE keeps none)
+    assert first.workspace == MB_TENSOR and last.workspace == MB_TENSOR
+    # Adam's update of the largest tensor needs two copies of it, after the activations are freed
+    assert first.optimizer_step == 2 * 4 * 1000 * 1000
+    static = first.parameters + first.gradients + first.optimizer
+    assert first.total == static + max(first.activations + first.messages + first.workspace, 8_000_000)
+    sgd = rank_memory(model, cut, table, Training(optimizer="sgd"))[0]
+    assert sgd.optimizer == 0 and sgd.optimizer_step == 0
+    assert sgd.total == 8 * params + sgd.activations + sgd.messages + sgd.workspace
+
+
+def test_the_step_time_is_the_simulator_fed_with_each_stages_own_costs():
+    model = layers(3)
+    cut = [range(0, 2), range(2, 3)]  # stage 0: F = 2, B = 4; stage 1: F = 1, B = 2
+    timeline = step_time(model, cut, gpipe(2, 1))
+    # F0 on rank 0 (0-2), F0 on rank 1 (2-3), B0 on rank 1 (3-5), B0 on rank 0 (5-9)
+    assert timeline.makespan == 9
+    recomputed = step_time(model, cut, gpipe(2, 1), Training(recompute=Recompute.parse("full")))
+    assert recomputed.makespan == 9 + 1 + 2  # each backward runs its stage's forward again
+
+
+def test_judging_a_configuration_cuts_sizes_and_simulates_it():
+    plan = judge(layers(4), "1f1b", 2, 4)
+    assert [len(part) for part in plan.cut] == [2, 2]
+    assert plan.step_time == pytest.approx(simulated_1f1b_makespan := 3 * 2 * (4 + 2 - 1))
+    assert simulated_1f1b_makespan == 30 and plan.peak == max(m.total for m in plan.memory)
+
+
+def test_a_cut_by_memory_gives_fewer_layers_to_the_stage_that_holds_more_micro_batches():
+    # 1F1B on two stages: stage 0 holds two micro-batches, stage 1 one; activations outweigh weights
+    model = rough_layers(4 * 10_000, 4, samples=1000)  # width 100: 160 KB of state, 400 KB tensors
+    table = one_f_one_b(2, 4)
+    assert in_flight(table) == [2, 1]
+    by_memory = cut_for(model, 2, "memory", table=table)
+    assert by_memory == [range(0, 1), range(1, 4)]
+    peak = lambda cut: max(rank.total for rank in rank_memory(model, cut, table))  # noqa: E731
+    assert peak(by_memory) < peak(cut_for(model, 2, "layers"))
+
+
+# --- the command --------------------------------------------------------------------------------------
+
+
+def plan_command(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["pipeclock", "plan"])
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys):
+    code, out, err = plan_command(
+        monkeypatch, capsys, "--params", "10e9", "--device-memory", "24GB", "--dtype", "fp32",
+        "--stages", "6,7,8", "--microbatches", "8",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "10B x 16 B = 160 GB to train; ceil(160 GB / 24 GB) = 7 devices at the very least" in out
+    assert "7 stages: the fullest rank holds 3 layers = 30 GB" in out and "does not fit" in out
+    assert "answer: 8 stages (8 devices of 24 GB)" in out
+    assert "rank  7 |" in out and "rank  8 |" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--params", "10e9", "--device-memory", "24XB"], "unknown unit 'XB'"),
+        (["--params", "10e9", "--device-memory", "512MB"], "one layer alone needs 10 GB to train"),
+        (["--params", "10e9", "--stages", "20"], "more than the model's 16 layers"),
+        (["--params", "ten"], "--params takes a number"),
+        (["--params", "1e6", "--schedules", "2f2b"], "unknown schedule '2f2b'"),
+        (["--params", "1e6", "--recompute", "some"], "unknown recompute 'some'"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_code_2(monkeypatch, capsys, args, message):
+    code, out, err = plan_command(monkeypatch, capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("pipeclock plan: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+# --- against a real run -------------------------------------------------------------------------------
+
+
+SCHEDULES_MEASURED = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+def _measured_peaks(rank, world, m, batch):
+    return {name: _measured_peak(rank, world, name, m, batch) for name in SCHEDULES_MEASURED}
+
+
+def _measured_peak(rank, world, schedule, m, batch):
+    from pipeclock.engine.orchestrator import Pipeline
+    from pipeclock.models.mlp import ShardedMLP
+
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    table = generate(schedule, world, m, chunks)
+    modules = ShardedMLP.for_rank(128, 8, rank, world, chunks, placement=placement_of(table))
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (
+        torch.randn(batch, 128, generator=generator),
+        torch.randn(batch, 128, generator=generator),
+    )
+    pipe = Pipeline(modules, table, m, F.mse_loss)
+    pipe.step(inputs, targets)
+    return pipe.last.peak_activation_bytes
+
+
+@pytest.mark.slow
+def test_the_predicted_activation_peak_is_what_the_meter_measures_in_a_real_run():
+    torch.set_num_threads(1)
+    model = profile(mlp_spec(128, 8), samples=8, repeats=1, warmup=0)
+    per_rank = run_ok(_measured_peaks, 2, 4, 32)
+    for schedule in SCHEDULES_MEASURED:
+        measured = [peaks[schedule] for peaks in per_rank]
+        predicted = [rank.activations for rank in judge(model, schedule, 2, 4, simulated=False).memory]
+        assert predicted == pytest.approx(measured, rel=0.10), schedule
+
+
+def test_a_measured_model_is_planned_and_its_memory_drawn(monkeypatch, capsys, tmp_path):
+    png = tmp_path / "memory.png"
+    code, out, err = plan_command(
+        monkeypatch, capsys, "--model", "mlp", "--hidden", "64", "--layers", "4", "--batch-size", "16",
+        "--device-memory", "200KiB", "--stages", "1,2", "--microbatches", "4", "--png", str(png),
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "ShardedMLP 4 x 64 (layers measured here" in out and "step time in ms" in out
+    assert "answer: 2 stages" in out  # 4 layers x 65 KiB of weights, gradients and Adam state > 200 KiB
+    assert png.read_bytes()[:4] == b"\x89PNG"
