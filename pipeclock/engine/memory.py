@@ -5,6 +5,11 @@ We add up their sizes (each distinct tensor once, parameters excluded: they are 
 activations) plus what the orchestrator stashes itself (the stage's input and output). A micro-batch's
 bytes are held from the end of its ``F`` until the end of its last backward action (``B``, or ``W`` in
 split schedules), and the peak of their running sum is the step's activation memory on this rank.
+
+With recompute (``pipeclock.engine.recompute``) a checkpoint saves only its block's inputs, and the hook
+sees exactly those: that is what the micro-batch holds until its backward. The block's rebuild inside
+the backward is that action's working memory, freed as the backward goes, and is not counted, like the
+backward's other temporaries. Between a split backward's I and W, what W needs is counted instead.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ A receiver cannot know the structure and shapes of an activation it has never se
 between stages, a stage may hand on several tensors), so the first activation of each (stage,
 micro-batch size) is preceded by a header, and the layout is cached on both sides. Gradients need no
 header: one per floating-point leaf of the output they belong to, shaped like it.
+
+With a ``wire_dtype`` (bf16 under ``--dtype bf16``) every floating-point leaf travels in it, activations
+and gradients alike, wherever the next stage lives: the math does not depend on the placement.
 """
 
 from __future__ import annotations
@@ -54,10 +57,10 @@ class _Incoming:
 class Messenger:
     """This rank's messages for one pipeline: sends in flight, receives posted, layouts learned."""
 
-    def __init__(self, rank: int, placement: Placement):
+    def __init__(self, rank: int, placement: Placement, wire_dtype: torch.dtype | None = None):
         if placement.num_virtual > MAX_STAGES:
             raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {placement.num_virtual}")
-        self.rank, self.placement = rank, placement
+        self.rank, self.placement, self.wire_dtype = rank, placement, wire_dtype
         self._layouts: dict[tuple[int, int], pytree.Layout] = {}
         self._announced: set[tuple[int, int]] = set()
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
@@ -75,6 +78,7 @@ class Messenger:
         """Stage ``stage``'s output for micro-batch ``microbatch`` (of ``size`` samples) goes to stage + 1."""
         target = stage + 1
         dest = self._rank_of(target)
+        output = pytree.tree_map(self._to_wire, output)
         if dest == self.rank:
             self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(torch.Tensor.detach, output)
             return
@@ -94,6 +98,7 @@ class Messenger:
         """The gradients of stage ``stage``'s floating input leaves go back to stage - 1."""
         target = stage - 1
         dest = self._rank_of(target)
+        grads = [self._to_wire(grad) for grad in grads]
         if dest == self.rank:
             self._local[(GRADIENT, target, microbatch)] = grads
             return
@@ -102,6 +107,13 @@ class Messenger:
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
             self._sends.append(comms.isend(grad, dest, tag, what))
         self._forget_finished_sends()
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
+
+    def _to_wire(self, leaf: torch.Tensor) -> torch.Tensor:
+        dtype = self._wire(leaf.dtype)
+        return leaf if dtype == leaf.dtype else leaf.detach().to(dtype)
 
     def _forget_finished_sends(self) -> None:
         self._sends = [send for send in self._sends if not send.done()]
@@ -131,7 +143,7 @@ class Messenger:
         src = self._rank_of(stage + 1)
         if src == self.rank or key in self._incoming:
             return
-        shapes = [(tuple(leaf.shape), leaf.dtype) for leaf in pytree.gradient_leaves(like)]
+        shapes = [(tuple(leaf.shape), self._wire(leaf.dtype)) for leaf in pytree.gradient_leaves(like)]
         self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), None)
 
     def receive_activation(self, stage: int, microbatch: int, size: int) -> pytree.Tree:

@@ -39,12 +39,15 @@ from pipeclock.engine.backward import (
     gradient_roots,
     held_tensors,
     modified_in_place,
+    rebuilds,
 )
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.losses import LossFn, loss_scales
 from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
+from pipeclock.engine.precision import Precision, parse_precision
+from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span
@@ -85,6 +88,11 @@ class Pipeline:
     ``count(targets)`` method (``TokenCrossEntropy``), the *sum* over what ``count`` counts, and the
     step divides by the batch's total count (a token mean exact under uneven padding). Stages may hand
     each other any pytree of tensors. Parameters marked with ``tie`` have their copies' gradients summed.
+
+    ``recompute`` (``"none"``, ``"full"``, ``"every-K"``: ``pipeclock.engine.recompute``) checkpoints the
+    chunks' blocks, in place: the same math with less activation memory. ``dtype="bf16"`` runs the
+    forwards under autocast with float32 weights and gradients, and sends bf16 messages
+    (``pipeclock.engine.precision``).
     """
 
     def __init__(
@@ -95,6 +103,8 @@ class Pipeline:
         loss_fn: LossFn = F.mse_loss,
         *,
         measure_memory: bool = True,
+        recompute: str | RecomputePolicy | None = None,
+        dtype: str | Precision | None = None,
     ):
         self.rank, self.num_stages = comms.get_rank(), comms.get_world_size()
         self.chunks = _as_chunks(stage_or_chunks)
@@ -113,9 +123,11 @@ class Pipeline:
         self.num_virtual = self.placement.num_virtual
         self.first_rank = self.placement.owner(0)[0]
         self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
-        self.messenger = Messenger(self.rank, self.placement)
+        self.precision = parse_precision(dtype)
+        self.messenger = Messenger(self.rank, self.placement, self.precision.wire_dtype)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
-        self.parameter_outputs = ParameterOutputs(self.chunks)
+        recomputed = apply_recompute(self.chunks, recompute)
+        self.parameter_outputs = ParameterOutputs(self.chunks, recomputed)
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks)
@@ -337,10 +349,10 @@ class _StepRun:
             if self.training:
                 for leaf in pytree.gradient_leaves(stage_input):
                     leaf.requires_grad_()
-        with rng.keyed(pipe.steps_done, self.first_samples[mb]):
+        with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
             output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
         if stage == pipe.num_virtual - 1:
-            root = pipe.loss_fn(output, self.targets[mb]) * self.scales[mb]
+            root = pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb]) * self.scales[mb]
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
             root = None
@@ -382,12 +394,15 @@ class _StepRun:
         deferred = action.op == "I"  # the weights' half waits for a W
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
         # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        if not deferred and (pipe.parameter_outputs.keeps_graph or modified_in_place(stash.captured)):
+        # So is a backward that rebuilds checkpointed blocks: autograd then frees them as it goes.
+        whole = pipe.parameter_outputs.keeps_graph or rebuilds(stash.captured)
+        if not deferred and (whole or modified_in_place(stash.captured)):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
             keep_graph = pipe.parameter_outputs.keeps_graph
-            input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
+            with pipe.parameter_outputs.rebuilding(stash.captured):
+                input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
             if deferred:  # W comes later: hold only what it needs
                 output, root = (stash.output, stash.root) if keep_graph else (None, None)
                 self.stash[key] = _Stash(stash.stage_input, output, root, [], work)

@@ -1,0 +1,73 @@
+"""Mixed precision: bf16 compute and bf16 messages, float32 everything that accumulates.
+
+``--dtype bf16`` runs each chunk's forward under ``torch.autocast``: matrix products take bf16 inputs
+(and so does their backward), while the parameters stay float32, as do their gradients (autograd casts
+each weight's bf16 gradient back before adding it to ``.grad``) and the optimizer's state. So the small
+updates that training adds step after step are not rounded away, which is what float32 master weights are
+for. bf16 keeps float32's exponent range, so no loss scaling is needed (float16 would need it).
+
+The loss is computed in float32 from the last chunk's output. What travels between stages, activations
+forward and gradients back, travels in bf16: half the bytes of float32. A receiving stage computes with
+the bf16 activation as it came (autocast casts where it matters); a gradient arriving in bf16 is widened
+to its output's dtype before the backward starts from it.
+
+bf16 helps where the hardware multiplies bf16 natively: GPUs since Ampere, and CPUs with AVX512-BF16 or
+AMX (Intel Cooper Lake and Sapphire Rapids on). Elsewhere autocast converts back and forth and runs
+slower than float32: ``lscpu | grep -o 'avx512_bf16\\|amx_bf16'`` says which CPU this is.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from pipeclock.engine import pytree
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The compute dtype of a run: ``fp32`` (plain) or ``bf16`` (autocast, bf16 messages)."""
+
+    name: str = "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None for plain float32."""
+        return DTYPES[self.name]
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype floating-point messages travel in, or None to send them as they are."""
+        return DTYPES[self.name]
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        """Around a chunk's forward."""
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    def for_loss(self, tree: pytree.Tree) -> pytree.Tree:
+        """The last chunk's output with its low-precision floating leaves widened to float32."""
+        if self.compute_dtype is None:
+            return tree
+        return pytree.tree_map(_widen, tree)
+
+
+def _widen(leaf: torch.Tensor) -> torch.Tensor:
+    if leaf.is_floating_point() and leaf.element_size() < 4:
+        return leaf.float()
+    return leaf
+
+
+def parse_precision(value: str | Precision | None) -> Precision:
+    """``"fp32"`` or ``"bf16"`` (or None: fp32) as a ``Precision``; anything else is a ``ValueError``."""
+    if isinstance(value, Precision):
+        return value
+    name = "fp32" if value is None else value
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {value!r}: use {' or '.join(DTYPES)}")
+    return Precision(name)
