@@ -68,6 +68,8 @@ class TrainConfig:
     seed: int = 0
     timeout: float = 60.0
     measure_memory: bool = True
+    recompute: str = "none"  # "none", "full" or "every-K": activation recompute per chunk
+    dtype: str = "fp32"  # "fp32", or "bf16": autocast compute and bf16 messages, float32 weights
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
@@ -165,7 +167,13 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     task = make_task(config)
     modules = build_stage(config, rank, world, task)
     pipe = Pipeline(
-        modules, config.table(world), config.microbatches, task.loss_fn, measure_memory=config.measure_memory
+        modules,
+        config.table(world),
+        config.microbatches,
+        task.loss_fn,
+        measure_memory=config.measure_memory,
+        recompute=config.recompute,
+        dtype=config.dtype,
     )
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
