@@ -145,9 +145,10 @@ def _collect_rebuilt(item: Captured, args: tuple) -> None:
     item.rebuilt = Rebuilt(detached, rng.current(), autocast)
 
 
-def rebuilds(captured: list[Captured]) -> bool:
-    """True when some of ``captured`` ran inside a checkpoint, so a backward will rebuild their block."""
-    return any(item.edge is not None for item in captured)
+def rebuilds_beyond_linears(captured: list[Captured]) -> bool:
+    """True when a module other than ``nn.Linear`` ran inside a checkpoint: its W would run it again and
+    go through autograd, so a backward that need not wait for W is better one autograd call."""
+    return any(item.edge is not None and not isinstance(item.module, nn.Linear) for item in captured)
 
 
 def modified_in_place(captured: list[Captured]) -> Captured | None:

@@ -26,7 +26,9 @@ class ActivationMeter:
 
     def __init__(self, modules: Iterable[nn.Module]):
         # A saved weight is often a view (``weight.t()``) starting where the parameter does.
-        self._parameter_pointers = {p.data_ptr() for m in modules for p in m.parameters()}
+        parameters = [p for m in modules for p in m.parameters()]
+        self._parameter_pointers = {p.data_ptr() for p in parameters}
+        self._parameter_ids = {id(p) for p in parameters}
         self._bytes: dict[object, int] = {}
         self.live = 0
         self.peak = 0
@@ -45,13 +47,23 @@ class ActivationMeter:
             # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as
             # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
             # that keeps every step's graph alive (memory grew by a step's activations per step).
-            saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            if not self._is_parameter_cast(tensor):
+                saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
             return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
         located = [(t.data_ptr(), t.numel() * t.element_size()) for t in stashed]
         self._bytes[key] = self._distinct_bytes(saved + located)
+
+    def _is_parameter_cast(self, tensor: torch.Tensor) -> bool:
+        """A parameter in autocast's compute dtype (or a view of one): the model, not an activation."""
+        base = tensor if tensor._base is None else tensor._base
+        node = base.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return False
+        source = node.next_functions[0][0]
+        return id(getattr(source, "variable", None)) in self._parameter_ids
 
     def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
         """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""

@@ -39,7 +39,7 @@ from pipeclock.engine.backward import (
     gradient_roots,
     held_tensors,
     modified_in_place,
-    rebuilds,
+    rebuilds_beyond_linears,
 )
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.losses import LossFn, loss_scales
@@ -195,7 +195,8 @@ class Pipeline:
         sizes = self._agree_on_batch(inputs, targets)
         self.ties.prepare()
         run = _StepRun(self, sizes, inputs, targets)
-        run.run()
+        with self.precision.step_region(self.device):
+            run.run()
         self.ties.sync()
         loss = self._share_loss(run.loss)
         peak = self.meter.peak if self.meter else None
@@ -216,7 +217,7 @@ class Pipeline:
         try:
             for chunk in self.chunks:
                 chunk.eval()
-            with torch.no_grad():
+            with torch.no_grad(), self.precision.step_region(self.device):
                 run.run()
         finally:
             for chunk, mode in zip(self.chunks, modes, strict=True):
@@ -394,8 +395,7 @@ class _StepRun:
         deferred = action.op == "I"  # the weights' half waits for a W
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
         # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        # So is a backward that rebuilds checkpointed blocks: autograd then frees them as it goes.
-        whole = pipe.parameter_outputs.keeps_graph or rebuilds(stash.captured)
+        whole = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
         if not deferred and (whole or modified_in_place(stash.captured)):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)

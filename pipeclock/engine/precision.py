@@ -6,6 +6,13 @@ each weight's bf16 gradient back before adding it to ``.grad``) and the optimize
 updates that training adds step after step are not rounded away, which is what float32 master weights are
 for. bf16 keeps float32's exponent range, so no loss scaling is needed (float16 would need it).
 
+Autocast casts each weight to bf16 when a forward first uses it and caches the copy until the outermost
+autocast region closes. Each forward is its own region, so ``step_region`` holds one (disabled) region
+open around the whole step: a weight is cast once per step, not once per micro-batch, and all the
+micro-batches in flight share one bf16 copy (half the float32 parameters' bytes) instead of each keeping
+its own for its backward. That copy is the model in the compute dtype: the activation meter counts it
+with the parameters, not with the activations.
+
 The loss is computed in float32 from the last chunk's output. What travels between stages, activations
 forward and gradients back, travels in bf16: half the bytes of float32. A receiving stage computes with
 the bf16 activation as it came (autocast casts where it matters); a gradient arriving in bf16 is widened
@@ -49,6 +56,12 @@ class Precision:
         if self.compute_dtype is None:
             return nullcontext()
         return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    def step_region(self, device: torch.device) -> AbstractContextManager:
+        """Around a whole step: autocast off (backwards run outside autocast), its weight cache kept."""
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype, enabled=False)
 
     def for_loss(self, tree: pytree.Tree) -> pytree.Tree:
         """The last chunk's output with its low-precision floating leaves widened to float32."""
