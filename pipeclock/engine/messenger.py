@@ -20,7 +20,10 @@ micro-batch size) is preceded by a header, and the layout is cached on both side
 header: one per floating-point leaf of the output they belong to, shaped like it.
 
 With a ``wire_dtype`` (bf16 under ``--dtype bf16``) every floating-point leaf travels in it, activations
-and gradients alike, wherever the next stage lives: the math does not depend on the placement.
+and gradients alike, and arrives widened back to the dtype it was sent from (the header and the output
+it is the gradient of say which): a float32 residual stream stays float32 on the next stage, rounded
+once at the cut. A hand-over within the rank is rounded alike, so the math does not depend on the
+placement.
 """
 
 from __future__ import annotations
@@ -49,9 +52,20 @@ def message_tag(kind: int, stage: int, microbatch: int, leaf: int = 0) -> int:
 class _Incoming:
     """Posted receives: the leaves of a tree (``spec`` to rebuild it), or first the header (no spec)."""
 
-    pending: list[comms.PendingRecv]
+    pending: list[comms.PendingRecv | _Widened]
     spec: object | None
     is_header: bool = False
+
+
+@dataclass
+class _Widened:
+    """A leaf posted in the wire dtype, handed over in the dtype it was sent from."""
+
+    pending: comms.PendingRecv
+    dtype: torch.dtype
+
+    def wait(self) -> torch.Tensor:
+        return self.pending.wait().to(self.dtype)
 
 
 class Messenger:
@@ -78,9 +92,8 @@ class Messenger:
         """Stage ``stage``'s output for micro-batch ``microbatch`` (of ``size`` samples) goes to stage + 1."""
         target = stage + 1
         dest = self._rank_of(target)
-        output = pytree.tree_map(self._to_wire, output)
         if dest == self.rank:
-            self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(torch.Tensor.detach, output)
+            self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(self._through_wire, output)
             return
         if (target, size) not in self._announced:
             pytree.check_tensors(output, f"the output of stage {stage}")
@@ -91,21 +104,20 @@ class Messenger:
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
         for leaf_index, leaf in enumerate(pytree.leaves(output)):
             tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
-            self._sends.append(comms.isend(leaf, dest, tag, what))
+            self._sends.append(comms.isend(self._to_wire(leaf), dest, tag, what))
         self._forget_finished_sends()
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
         """The gradients of stage ``stage``'s floating input leaves go back to stage - 1."""
         target = stage - 1
         dest = self._rank_of(target)
-        grads = [self._to_wire(grad) for grad in grads]
         if dest == self.rank:
-            self._local[(GRADIENT, target, microbatch)] = grads
+            self._local[(GRADIENT, target, microbatch)] = [self._through_wire(grad) for grad in grads]
             return
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
         for leaf_index, grad in enumerate(grads):
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
-            self._sends.append(comms.isend(grad, dest, tag, what))
+            self._sends.append(comms.isend(self._to_wire(grad), dest, tag, what))
         self._forget_finished_sends()
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
@@ -114,6 +126,10 @@ class Messenger:
     def _to_wire(self, leaf: torch.Tensor) -> torch.Tensor:
         dtype = self._wire(leaf.dtype)
         return leaf if dtype == leaf.dtype else leaf.detach().to(dtype)
+
+    def _through_wire(self, leaf: torch.Tensor) -> torch.Tensor:
+        """What a receiver on another rank would get: rounded to the wire dtype, widened back."""
+        return self._to_wire(leaf).to(leaf.dtype).detach()
 
     def _forget_finished_sends(self) -> None:
         self._sends = [send for send in self._sends if not send.done()]
@@ -143,7 +159,7 @@ class Messenger:
         src = self._rank_of(stage + 1)
         if src == self.rank or key in self._incoming:
             return
-        shapes = [(tuple(leaf.shape), self._wire(leaf.dtype)) for leaf in pytree.gradient_leaves(like)]
+        shapes = [(tuple(leaf.shape), leaf.dtype) for leaf in pytree.gradient_leaves(like)]
         self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), None)
 
     def receive_activation(self, stage: int, microbatch: int, size: int) -> pytree.Tree:
@@ -171,12 +187,14 @@ class Messenger:
         finally:
             self.wait_seconds += time.perf_counter() - start
 
-    def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv]:
+    def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv | _Widened]:
         kind, stage, microbatch = key
-        return [
-            comms.irecv(shape, src, dtype, message_tag(kind, stage, microbatch, leaf), self._what(key))
-            for leaf, (shape, dtype) in enumerate(shapes)
-        ]
+        posted = []
+        for leaf, (shape, dtype) in enumerate(shapes):
+            tag = message_tag(kind, stage, microbatch, leaf)
+            pending = comms.irecv(shape, src, self._wire(dtype), tag, self._what(key))
+            posted.append(pending if self._wire(dtype) == dtype else _Widened(pending, dtype))
+        return posted
 
     @staticmethod
     def _what(key: tuple[int, int, int]) -> str:

@@ -14,13 +14,17 @@ its own for its backward. That copy is the model in the compute dtype: the activ
 with the parameters, not with the activations.
 
 The loss is computed in float32 from the last chunk's output. What travels between stages, activations
-forward and gradients back, travels in bf16: half the bytes of float32. A receiving stage computes with
-the bf16 activation as it came (autocast casts where it matters); a gradient arriving in bf16 is widened
-to its output's dtype before the backward starts from it.
+forward and gradients back, travels in bf16: half the bytes of float32, and is widened on arrival to
+the dtype it was sent from. So a transformer's residual stream, float32 under autocast, stays float32
+on the next stage as on one process, rounded once at the cut, rather than being added to in bf16 there.
 
-bf16 helps where the hardware multiplies bf16 natively: GPUs since Ampere, and CPUs with AVX512-BF16 or
-AMX (Intel Cooper Lake and Sapphire Rapids on). Elsewhere autocast converts back and forth and runs
-slower than float32: ``lscpu | grep -o 'avx512_bf16\\|amx_bf16'`` says which CPU this is.
+bf16 is not free of cost in accuracy, here as on one process: see docs/benchmarks.md for the measured
+loss curves of the main job's models against float32.
+
+bf16 is faster where the hardware multiplies bf16 natively (GPUs since Ampere; CPUs with AVX512-BF16 or
+AMX, Intel Cooper Lake and Sapphire Rapids on: ``lscpu | grep -o 'avx512_bf16\\|amx_bf16'`` says) and
+the products are large enough to be bound by arithmetic, not by reading the weights. Elsewhere autocast
+only adds conversions and runs slower than float32.
 """
 
 from __future__ import annotations
