@@ -112,7 +112,7 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    """The module's own forward under a non-reentrant checkpoint (plain when rebuilding or not training).
+    """The module's own forward under a non-reentrant checkpoint (plain when rebuilding, or without grad).
 
     Early stop is off: the rebuild runs the whole block, so that every module inside it is seen again
     (the split backward collects their inputs then).
