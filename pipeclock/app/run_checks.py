@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from pipeclock import comms
+from pipeclock.engine.precision import DTYPES
+from pipeclock.engine.recompute import POLICY_HELP, parse_policy
 
 AT_LEAST_ONE = (
     "microbatches",
@@ -42,6 +44,12 @@ def check_values(config) -> None:
         _at_least("chunks", config.chunks, 1)
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {config.dropout}")
+    try:
+        parse_policy(config.recompute)
+    except ValueError:
+        raise ValueError(f"--recompute must be {POLICY_HELP}, got {config.recompute!r}") from None
+    if config.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be {' or '.join(DTYPES)}, got {config.dtype!r}")
     _check_data_parallel(config)
 
 

@@ -70,6 +70,8 @@ class TrainConfig:
     seed: int = 0
     timeout: float = 60.0
     measure_memory: bool = True
+    recompute: str = "none"  # "none", "full" or "every-K": activation recompute per chunk
+    dtype: str = "fp32"  # "fp32", or "bf16": autocast compute and bf16 messages, float32 weights
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
@@ -218,6 +220,8 @@ def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.
             config.microbatches,
             task.loss_fn,
             measure_memory=config.measure_memory,
+            recompute=config.recompute,
+            dtype=config.dtype,
         )
         return pipe, modules, slice(None)
     mesh = init_mesh(config.dp)
@@ -230,6 +234,8 @@ def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.
         config.microbatches,
         task.loss_fn,
         measure_memory=config.measure_memory,
+        recompute=config.recompute,
+        dtype=config.dtype,
         group=mesh.get_group("pp"),
         replicas=replicas,
     )

@@ -16,16 +16,31 @@ B. Either way the work is the same, done in two calls:
 
 When every captured module is an ``nn.Linear``, W needs only each layer's input and output gradient, so
 B lets autograd free the graph; otherwise the graph is kept until W.
+
+Inside a checkpointed block (``pipeclock.engine.recompute``) the forward keeps no activation, so the
+hooks keep none either: only the autograd edge where the module's output gradient will arrive. B's
+autograd call rebuilds the block once; meanwhile the hooks collect the rebuilt inputs of its modules.
+W then needs no autograd graph of the block: a Linear's gradient is the same matrix product, and any
+other module (a LayerNorm) runs once more on its own rebuilt input, under its forward's dropout key and
+autocast, to back-propagate to its parameters. So a block is rebuilt once per micro-batch, not once per
+autograd call.
+
+Under autocast (bf16) a Linear's weight gradient is computed as autograd computes it: the product in
+the compute dtype, added to the float32 ``.grad``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from pipeclock.engine import rng
 
 
 @dataclass
@@ -34,8 +49,23 @@ class Captured:
 
     module: nn.Module
     input: torch.Tensor | None  # kept for nn.Linear, whose weight gradient is computed here
-    output: torch.Tensor
+    output: torch.Tensor | None  # None inside a checkpoint, where only ``edge`` is kept
     version: int  # autograd's version counter when captured: an in-place change afterwards is an error
+    edge: GradientEdge | None = None  # inside a checkpoint: where the output's gradient arrives
+    rebuilt: Rebuilt | None = None  # inside a checkpoint, for a module other than nn.Linear
+
+    @property
+    def gradient_target(self) -> torch.Tensor | GradientEdge:
+        return self.output if self.output is not None else self.edge
+
+
+@dataclass
+class Rebuilt:
+    """A module's inputs as a checkpoint's rebuild saw them, and the context to run it again in W."""
+
+    args: tuple
+    position: rng.Position
+    autocast: tuple[str, torch.dtype] | None  # (device type, dtype) when autocast was on
 
 
 @dataclass
@@ -47,18 +77,28 @@ class WeightWork:
 
 
 class ParameterOutputs:
-    """Forward hooks on every module of ``modules`` that holds parameters directly."""
+    """Forward hooks on every module of ``modules`` that holds parameters directly.
 
-    def __init__(self, modules: Iterable[nn.Module]):
+    ``recomputed``: the modules that run inside a checkpoint (``recompute.apply_recompute``).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], recomputed: Iterable[nn.Module] = ()):
         self._captured: list[Captured] | None = None
+        self._rebuilding: dict[nn.Module, deque[Captured]] | None = None
+        self._recomputed = set(recomputed)
         self.keeps_graph = False  # True when some module's W must go back through autograd
         for top in modules:
             for module in top.modules():
                 if any(p.requires_grad for p in module.parameters(recurse=False)):
                     module.register_forward_hook(self._hook)
-                    self.keeps_graph |= not isinstance(module, nn.Linear)
+                    self.keeps_graph |= not isinstance(module, nn.Linear) and module not in self._recomputed
 
     def _hook(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._rebuilding is not None:
+            pending = self._rebuilding.get(module)
+            if pending:
+                _collect_rebuilt(pending.popleft(), args)
+            return
         if self._captured is None:
             return
         if not isinstance(output, torch.Tensor):
@@ -66,6 +106,9 @@ class ParameterOutputs:
                 f"the split backward needs every module with parameters to return one tensor; "
                 f"{type(module).__name__} returned {type(output).__name__}"
             )
+        if module in self._recomputed:
+            self._captured.append(Captured(module, None, None, 0, get_gradient_edge(output)))
+            return
         linear_input = args[0].detach() if isinstance(module, nn.Linear) else None
         self._captured.append(Captured(module, linear_input, output, output._version))
 
@@ -78,13 +121,44 @@ class ParameterOutputs:
         finally:
             self._captured = None
 
+    @contextmanager
+    def rebuilding(self, captured: list[Captured]) -> Iterator[None]:
+        """Around B: checkpoints rebuilding their blocks hand the inputs of ``captured``'s modules over."""
+        pending: dict[nn.Module, deque[Captured]] = {}
+        for item in captured:
+            if item.edge is not None:
+                pending.setdefault(item.module, deque()).append(item)
+        self._rebuilding = pending
+        try:
+            yield
+        finally:
+            self._rebuilding = None
+
+
+def _collect_rebuilt(item: Captured, args: tuple) -> None:
+    if isinstance(item.module, nn.Linear):
+        item.input = args[0].detach()
+        return
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    device = next((a.device.type for a in detached if isinstance(a, torch.Tensor)), "cpu")
+    autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+    item.rebuilt = Rebuilt(detached, rng.current(), autocast)
+
+
+def rebuilds_beyond_linears(captured: list[Captured]) -> bool:
+    """True when a module other than ``nn.Linear`` ran inside a checkpoint: its W would run it again and
+    go through autograd, so a backward that need not wait for W is better one autograd call."""
+    return any(item.edge is not None and not isinstance(item.module, nn.Linear) for item in captured)
+
 
 def modified_in_place(captured: list[Captured]) -> Captured | None:
     """The first captured output changed in place after its module ran (by ``ReLU(inplace=True)``, say).
 
     Autograd can no longer give that output's own gradient, so its weights cannot be split off.
     """
-    return next((item for item in captured if item.output._version != item.version), None)
+    return next(
+        (item for item in captured if item.output is not None and item.output._version != item.version), None
+    )
 
 
 def _zeros_for_unused(grads, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -101,7 +175,8 @@ def gradient_roots(
     without parameters or inputs, say) is not a root.
     """
     pairs = [(out, g) for out, g in zip(outputs, received, strict=True) if out.requires_grad]
-    return [out for out, _ in pairs], [g for _, g in pairs]
+    # a gradient may travel in a narrower dtype than its output (bf16 messages)
+    return [out for out, _ in pairs], [g.to(out.dtype) for out, g in pairs]
 
 
 def backward_whole(
@@ -131,7 +206,7 @@ def backward_input(
             f"the output of {type(changed.module).__name__} was modified in place after the forward; "
             "a split backward (I, W) cannot recover its gradient (avoid inplace=True right after it)"
         )
-    targets = inputs + [item.output for item in captured]
+    targets = inputs + [item.gradient_target for item in captured]
     if not targets or not roots:
         return _zeros_for_unused([None] * len(inputs), inputs), []
     found = torch.autograd.grad(roots, targets, grads, retain_graph=keep_graph, allow_unused=True)
@@ -142,31 +217,76 @@ def backward_input(
 
 def backward_weight(work: list[WeightWork]) -> None:
     """``W``: accumulate each captured module's parameter gradients from its output's gradient."""
+    not_rebuilt = []
     for item in work:
-        if item.captured.input is not None:
-            _linear_weight_grad(item.captured.module, item.captured.input, item.grad)
+        captured = item.captured
+        if captured.input is not None:
+            _linear_weight_grad(captured.module, captured.input, item.grad)
+        elif captured.rebuilt is not None:
+            _rebuilt_weight_grad(captured.module, captured.rebuilt, item.grad)
+        elif captured.output is not None:
+            params = [p for p in captured.module.parameters(recurse=False) if p.requires_grad]
+            torch.autograd.backward(captured.output, item.grad, inputs=params)
         else:
-            params = [p for p in item.captured.module.parameters(recurse=False) if p.requires_grad]
-            torch.autograd.backward(item.captured.output, item.grad, inputs=params)
+            not_rebuilt.append(item)
+    if not_rebuilt:
+        _weight_grads_by_rebuilding(not_rebuilt)
+
+
+def _weight_grads_by_rebuilding(work: list[WeightWork]) -> None:
+    """W for checkpointed modules that B never had to rebuild (nothing before them needs a gradient, as
+    at the start of the first stage): one autograd call from their output edges rebuilds them now.
+    """
+    params = list({id(p): p for item in work for p in _own_parameters(item.captured.module)}.values())
+    edges = [item.captured.edge for item in work]
+    found = torch.autograd.grad(edges, params, [item.grad for item in work], allow_unused=True)
+    for parameter, grad in zip(params, found, strict=True):
+        if grad is None:
+            continue
+        if parameter.grad is None:
+            parameter.grad = grad
+        else:
+            parameter.grad.add_(grad)
+
+
+def _own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+def _rebuilt_weight_grad(module: nn.Module, rebuilt: Rebuilt, grad_out: torch.Tensor) -> None:
+    """Run ``module`` alone on its rebuilt input (as its forward ran) and back-propagate to its parameters."""
+    params = _own_parameters(module)
+    cast = torch.autocast(rebuilt.autocast[0], rebuilt.autocast[1]) if rebuilt.autocast else nullcontext()
+    with torch.enable_grad(), cast, rng.keyed(rebuilt.position.step, rebuilt.position.first_sample):
+        output = module(*rebuilt.args)
+    torch.autograd.backward(output, grad_out, inputs=params)
 
 
 def _linear_weight_grad(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-    """weight.grad += grad_out^T x and bias.grad += sum(grad_out), in place, over all leading dims."""
-    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    """weight.grad += grad_out^T x and bias.grad += sum(grad_out), in place, over all leading dims.
+
+    Under autocast the output gradient is in the compute dtype: the input is rounded to it as the forward
+    rounded it, and the product is added to the float32 ``.grad``, as autograd does.
+    """
+    x2, g2 = x.reshape(-1, x.shape[-1]).to(grad_out.dtype), grad_out.reshape(-1, grad_out.shape[-1])
     weight, bias = linear.weight, linear.bias
     if weight.requires_grad:
         if weight.grad is None:
-            weight.grad = g2.t().mm(x2)
-        else:
+            weight.grad = g2.t().mm(x2).to(weight.dtype)
+        elif g2.dtype == weight.grad.dtype:
             weight.grad.addmm_(g2.t(), x2)  # the product lands in .grad: no temporary to add
+        else:
+            weight.grad.add_(g2.t().mm(x2))
     if bias is not None and bias.requires_grad:
         summed = g2.sum(0)
         if bias.grad is None:
-            bias.grad = summed
+            bias.grad = summed.to(bias.dtype)
         else:
             bias.grad.add_(summed)
 
 
 def held_tensors(work: list[WeightWork]) -> list[torch.Tensor]:
     """The tensors W keeps alive between B and W (what the activation meter counts then)."""
-    return [t for item in work for t in (item.captured.input, item.grad) if t is not None]
+    held = [t for item in work for t in (item.captured.input, item.grad) if t is not None]
+    rebuilt = [item.captured.rebuilt for item in work if item.captured.rebuilt is not None]
+    return held + [a for r in rebuilt for a in r.args if isinstance(a, torch.Tensor)]

@@ -5,6 +5,11 @@ We add up their sizes (each distinct tensor once, parameters excluded: they are 
 activations) plus what the orchestrator stashes itself (the stage's input and output). A micro-batch's
 bytes are held from the end of its ``F`` until the end of its last backward action (``B``, or ``W`` in
 split schedules), and the peak of their running sum is the step's activation memory on this rank.
+
+With recompute (``pipeclock.engine.recompute``) a checkpoint saves only its block's inputs, and the hook
+sees exactly those: that is what the micro-batch holds until its backward. The block's rebuild inside
+the backward is that action's working memory, freed as the backward goes, and is not counted, like the
+backward's other temporaries. Between a split backward's I and W, what W needs is counted instead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class ActivationMeter:
     def __init__(self, modules: Iterable[nn.Module]):
         self._modules = list(modules)
         self._parameter_pointers: set[int] = set()
+        self._parameter_ids: set[int] = set()
         self._bytes: dict[object, int] = {}
         self.live = 0
         self.peak = 0
@@ -37,19 +43,31 @@ class ActivationMeter:
         saved: list[tuple[int, int]] = []
         # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
         # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
-        self._parameter_pointers = {p.data_ptr() for m in self._modules for p in m.parameters()}
+        parameters = [p for m in self._modules for p in m.parameters()]
+        self._parameter_pointers = {p.data_ptr() for p in parameters}
+        self._parameter_ids = {id(p) for p in parameters}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as
             # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
             # that keeps every step's graph alive (memory grew by a step's activations per step).
-            saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            if not self._is_parameter_cast(tensor):
+                saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
             return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
         located = [(t.data_ptr(), t.numel() * t.element_size()) for t in stashed]
         self._bytes[key] = self._distinct_bytes(saved + located)
+
+    def _is_parameter_cast(self, tensor: torch.Tensor) -> bool:
+        """A parameter in autocast's compute dtype (or a view of one): the model, not an activation."""
+        base = tensor if tensor._base is None else tensor._base
+        node = base.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return False
+        source = node.next_functions[0][0]
+        return id(getattr(source, "variable", None)) in self._parameter_ids
 
     def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
         """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""

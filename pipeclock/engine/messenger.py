@@ -18,6 +18,12 @@ A receiver cannot know the structure and shapes of an activation it has never se
 between stages, a stage may hand on several tensors), so the first activation of each (stage,
 micro-batch size) is preceded by a header, and the layout is cached on both sides. Gradients need no
 header: one per floating-point leaf of the output they belong to, shaped like it.
+
+With a ``wire_dtype`` (bf16 under ``--dtype bf16``) every floating-point leaf travels in it, activations
+and gradients alike, and arrives widened back to the dtype it was sent from (the header and the output
+it is the gradient of say which): a float32 residual stream stays float32 on the next stage, rounded
+once at the cut. A hand-over within the rank is rounded alike, so the math does not depend on the
+placement.
 """
 
 from __future__ import annotations
@@ -46,20 +52,39 @@ def message_tag(kind: int, stage: int, microbatch: int, leaf: int = 0) -> int:
 class _Incoming:
     """Posted receives: the leaves of a tree (``spec`` to rebuild it), or first the header (no spec)."""
 
-    pending: list[comms.PendingRecv]
+    pending: list[comms.PendingRecv | _Widened]
     spec: object | None
     is_header: bool = False
+
+
+@dataclass
+class _Widened:
+    """A leaf posted in the wire dtype, handed over in the dtype it was sent from."""
+
+    pending: comms.PendingRecv
+    dtype: torch.dtype
+
+    def wait(self) -> torch.Tensor:
+        return self.pending.wait().to(self.dtype)
 
 
 class Messenger:
     """This rank's messages for one pipeline: sends in flight, receives posted, layouts learned."""
 
-    def __init__(self, rank: int, placement: Placement, peers: list[int] | None = None):
-        """``rank`` is this rank in the pipeline; ``peers`` the global rank of each (default: the same)."""
+    def __init__(
+        self,
+        rank: int,
+        placement: Placement,
+        peers: list[int] | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ):
+        """``rank`` is this rank in the pipeline; ``peers`` the global rank of each (default: the same);
+        ``wire_dtype`` the dtype floating messages travel in (default: their own)."""
         if placement.num_virtual > MAX_STAGES:
             raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {placement.num_virtual}")
         self.peers = list(range(placement.num_ranks)) if peers is None else peers
         self.rank, self.placement = self.peers[rank], placement  # global ranks from here on
+        self.wire_dtype = wire_dtype
         self._layouts: dict[tuple[int, int], pytree.Layout] = {}
         self._announced: set[tuple[int, int]] = set()
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
@@ -79,7 +104,7 @@ class Messenger:
         target = stage + 1
         dest = self._rank_of(target)
         if dest == self.rank:
-            self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(torch.Tensor.detach, output)
+            self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(self._through_wire, output)
             return
         if (target, size) not in self._announced:
             pytree.check_tensors(output, f"the output of stage {stage}")
@@ -90,7 +115,7 @@ class Messenger:
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
         for leaf_index, leaf in enumerate(pytree.leaves(output)):
             tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
-            self._send(comms.isend(leaf, dest, tag, what))
+            self._send(comms.isend(self._to_wire(leaf), dest, tag, what))
         self._forget_finished_sends()
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
@@ -98,13 +123,24 @@ class Messenger:
         target = stage - 1
         dest = self._rank_of(target)
         if dest == self.rank:
-            self._local[(GRADIENT, target, microbatch)] = grads
+            self._local[(GRADIENT, target, microbatch)] = [self._through_wire(grad) for grad in grads]
             return
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
         for leaf_index, grad in enumerate(grads):
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
-            self._send(comms.isend(grad, dest, tag, what))
+            self._send(comms.isend(self._to_wire(grad), dest, tag, what))
         self._forget_finished_sends()
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
+
+    def _to_wire(self, leaf: torch.Tensor) -> torch.Tensor:
+        dtype = self._wire(leaf.dtype)
+        return leaf if dtype == leaf.dtype else leaf.detach().to(dtype)
+
+    def _through_wire(self, leaf: torch.Tensor) -> torch.Tensor:
+        """What a receiver on another rank would get: rounded to the wire dtype, widened back."""
+        return self._to_wire(leaf).to(leaf.dtype).detach()
 
     def _forget_finished_sends(self) -> None:
         self._sends = [send for send in self._sends if not send.done()]
@@ -162,12 +198,14 @@ class Messenger:
         finally:
             self.wait_seconds += time.perf_counter() - start
 
-    def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv]:
+    def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv | _Widened]:
         kind, stage, microbatch = key
-        return [
-            comms.irecv(shape, src, dtype, message_tag(kind, stage, microbatch, leaf), self._what(key))
-            for leaf, (shape, dtype) in enumerate(shapes)
-        ]
+        posted = []
+        for leaf, (shape, dtype) in enumerate(shapes):
+            tag = message_tag(kind, stage, microbatch, leaf)
+            pending = comms.irecv(shape, src, self._wire(dtype), tag, self._what(key))
+            posted.append(pending if self._wire(dtype) == dtype else _Widened(pending, dtype))
+        return posted
 
     @staticmethod
     def _what(key: tuple[int, int, int]) -> str:

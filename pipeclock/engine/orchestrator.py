@@ -40,12 +40,15 @@ from pipeclock.engine.backward import (
     gradient_roots,
     held_tensors,
     modified_in_place,
+    rebuilds_beyond_linears,
 )
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.losses import LossFn, loss_scales
 from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
+from pipeclock.engine.precision import Precision, parse_precision
+from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
@@ -103,6 +106,11 @@ class Pipeline:
     whole world): stage indices are ranks in that group. ``replicas`` (from ``pipeclock.parallel``) are
     the data-parallel copies of this pipeline: the batch given to ``step`` is then this replica's shard
     of the global batch, and the returned loss is the global batch's.
+
+    ``recompute`` (``"none"``, ``"full"``, ``"every-K"``: ``pipeclock.engine.recompute``) checkpoints the
+    chunks' blocks, in place: the same math with less activation memory. ``dtype="bf16"`` runs the
+    forwards under autocast with float32 weights and gradients, and sends bf16 messages
+    (``pipeclock.engine.precision``).
     """
 
     def __init__(
@@ -115,6 +123,8 @@ class Pipeline:
         measure_memory: bool = True,
         group: dist.ProcessGroup | None = None,
         replicas: Replicas | None = None,
+        recompute: str | RecomputePolicy | None = None,
+        dtype: str | Precision | None = None,
     ):
         self.group = group
         self.peers = _group_ranks(group)  # global rank of each pipeline rank
@@ -137,9 +147,11 @@ class Pipeline:
         self.num_virtual = self.placement.num_virtual
         self.first_rank = self.placement.owner(0)[0]
         self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
-        self.messenger = Messenger(self.rank, self.placement, self.peers)
+        self.precision = parse_precision(dtype)
+        self.messenger = Messenger(self.rank, self.placement, self.peers, self.precision.wire_dtype)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
-        self.parameter_outputs = ParameterOutputs(self.chunks)
+        recomputed = apply_recompute(self.chunks, recompute)
+        self.parameter_outputs = ParameterOutputs(self.chunks, recomputed)
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks, group)
@@ -217,7 +229,8 @@ class Pipeline:
         self.ties.prepare()
         self.replicas.begin_step()
         run = _StepRun(self, sizes, inputs, targets)
-        run.run()
+        with self.precision.step_region(self.device):
+            run.run()
         self.ties.sync()
         loss = self._share_loss(run.loss)
         peak = self.meter.peak if self.meter else None
@@ -238,7 +251,7 @@ class Pipeline:
         try:
             for chunk in self.chunks:
                 chunk.eval()
-            with torch.no_grad():
+            with torch.no_grad(), self.precision.step_region(self.device):
                 run.run()
         finally:
             for chunk, mode in zip(self.chunks, modes, strict=True):
@@ -416,10 +429,10 @@ class _StepRun:
             if self.training:
                 for leaf in pytree.gradient_leaves(stage_input):
                     leaf.requires_grad_()
-        with rng.keyed(pipe.steps_done, self.first_samples[mb]):
+        with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
             output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
         if stage == pipe.num_virtual - 1:
-            root = pipe.loss_fn(output, self.targets[mb]) * self.scales[mb]
+            root = pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb]) * self.scales[mb]
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
             root = None
@@ -465,14 +478,14 @@ class _StepRun:
         whole = not replicas.split_backward
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
         # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        if whole or (
-            not deferred and (pipe.parameter_outputs.keeps_graph or modified_in_place(stash.captured))
-        ):
+        whole_graph = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
+        if whole or (not deferred and (whole_graph or modified_in_place(stash.captured))):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
             keep_graph = pipe.parameter_outputs.keeps_graph
-            input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
+            with pipe.parameter_outputs.rebuilding(stash.captured):
+                input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
             if deferred:  # W comes later: hold only what it needs
                 output, root = (stash.output, stash.root) if keep_graph else (None, None)
                 self.stash[key] = _Stash(stash.stage_input, output, root, [], work)

@@ -24,6 +24,8 @@ from pipeclock.app.checkpoint import CheckpointError
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.engine.generators import SCHEDULES
+from pipeclock.engine.precision import DTYPES
+from pipeclock.engine.recompute import POLICY_HELP
 from pipeclock.models.text import CorpusError, bits_per_byte
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 
@@ -107,6 +109,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--clip-grad-norm", type=float, metavar="X",
         help="scale the gradients so that the whole model's norm (every stage, every replica, counted "
         "once) is at most X, as clip_grad_norm_ on one process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recompute", default=defaults.recompute, metavar="POLICY",
+        help=f"activation recompute: {POLICY_HELP}; full keeps only each chunk's input per micro-batch and "
+        "runs its forward again in the backward (same math, less memory, about one more forward)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default=defaults.dtype, choices=list(DTYPES),
+        help="fp32, or bf16: forwards under autocast, float32 weights, gradients and optimizer state, "
+        "bf16 messages between stages (faster only where the hardware has bf16: GPUs, CPUs with "
+        "AVX512-BF16 or AMX)",
     )  # fmt: skip
     parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
@@ -214,7 +227,9 @@ def _headline(config: TrainConfig, world: int) -> str:
         model = f"GPT {config.layers} blocks x {config.dim} ({config.heads} heads, seq {config.seq_len})"
     replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
     per_mb /= config.dp
+    fitting = f", {config.dtype}" if config.dtype != "fp32" else ""
+    fitting += f", recompute {config.recompute}" if config.recompute != "none" else ""
     return (
         f"pipeclock train: {config.schedule}, {world // config.dp} stage(s) x {chunks} chunk(s){replicas}, "
-        f"{config.microbatches} micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps"
+        f"{config.microbatches} micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps{fitting}"
     )
