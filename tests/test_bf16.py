@@ -21,17 +21,8 @@ from pipeclock.engine.precision import parse_precision
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from tests.distributed import run_ok
+from tests.test_gpt_pipeline import PLACEMENT, SCHEDULE_CHUNKS
 
-SCHEDULE_CHUNKS = {
-    "naive": 1,
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-v": 2,
-    "dualpipev": 2,
-}
-PLACEMENT = {"zb-v": "v", "dualpipev": "v"}
 GPT_CONFIG = GPTConfig(dim=32, layers=6, heads=2, seq_len=16, dropout=0.1, seed=2)
 
 

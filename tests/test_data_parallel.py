@@ -11,18 +11,10 @@ from __future__ import annotations
 import torch
 
 from pipeclock import parallel, schedule
-from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
-from pipeclock.models.gpt import GPT, gpt_sequential
+from pipeclock.models.gpt import GPT
 from tests.distributed import run_ok
-from tests.test_gpt_pipeline import (
-    PLACEMENT,
-    SCHEDULE_CHUNKS,
-    config,
-    global_name,
-    padded_batch,
-    relative_gap,
-)
+from tests.test_gpt_pipeline import PLACEMENT, SCHEDULE_CHUNKS, config, padded_batch, worst_gap
 
 TOLERANCE = 1e-5
 
@@ -43,17 +35,7 @@ def one_case(mesh, engine: str, name: str, m: int, batch: int, dropout: float) -
     ids, targets = padded_batch(batch, seed=batch * 7 + m)
     mine = parallel.shard_of(batch, dp, parallel.dp_rank(mesh))
     loss = pipe.step(ids[mine.start : mine.stop], targets[mine.start : mine.stop])
-    reference = gpt_sequential(cfg)
-    with rng.keyed(step=0, first_sample=0):
-        want = loss_fn.mean(reference(ids), targets)
-    want.backward()
-    wanted = dict(reference.named_parameters())
-    gaps = [abs(loss - want.item()) / abs(want.item())]
-    for chunk in replicas.modules:
-        for param_name, parameter in chunk.named_parameters():
-            wanted_grad = wanted[global_name(param_name, parameter)].grad
-            gaps.append(relative_gap(full_gradient(parameter), wanted_grad))
-    return max(gaps)
+    return worst_gap(cfg, ids, targets, loss, replicas.modules, full_gradient)
 
 
 def mesh_cases(rank: int, world: int) -> dict[tuple, float]:

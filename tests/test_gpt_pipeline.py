@@ -64,7 +64,13 @@ def one_case(rank: int, p: int, name: str, m: int, batch: int, dropout: float) -
     chunks = GPT.for_rank(cfg, rank, p, SCHEDULE_CHUNKS[name], PLACEMENT.get(name))
     ids, targets = padded_batch(batch, seed=batch * 7 + m)
     loss = schedule.Pipeline(chunks, name, m, loss_fn).step(ids, targets)
-    reference = gpt_sequential(cfg)
+    return worst_gap(cfg, ids, targets, loss, chunks)
+
+
+def worst_gap(cfg: GPTConfig, ids, targets, loss: float, chunks, grad_of=lambda p: p.grad) -> float:
+    """The worst relative gap between a pipelined step (its loss, its chunks' gradients) and the whole
+    GPT's on one process for the whole batch; ``grad_of`` reads a parameter's whole gradient."""
+    reference, loss_fn = gpt_sequential(cfg), TokenCrossEntropy()
     with rng.keyed(step=0, first_sample=0):
         want = loss_fn.mean(reference(ids), targets)
     want.backward()
@@ -72,7 +78,7 @@ def one_case(rank: int, p: int, name: str, m: int, batch: int, dropout: float) -
     gaps = [abs(loss - want.item()) / abs(want.item())]
     for chunk in chunks:
         for param_name, parameter in chunk.named_parameters():
-            gaps.append(relative_gap(parameter.grad, wanted[global_name(param_name, parameter)].grad))
+            gaps.append(relative_gap(grad_of(parameter), wanted[global_name(param_name, parameter)].grad))
     return max(gaps)
 
 

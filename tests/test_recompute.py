@@ -26,18 +26,9 @@ from pipeclock.engine.recompute import (
 from pipeclock.models.gpt import GPT, Block, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from tests.distributed import run_ok
+from tests.test_gpt_pipeline import PLACEMENT, SCHEDULE_CHUNKS
 
 TOLERANCE = 1e-6
-SCHEDULE_CHUNKS = {
-    "naive": 1,
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-v": 2,
-    "dualpipev": 2,
-}
-PLACEMENT = {"zb-v": "v", "dualpipev": "v"}
 POLICIES = ("full", "every-2")  # the whole chunk; and some blocks checkpointed, others not
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")
 GPT_CONFIG = GPTConfig(dim=16, layers=6, heads=2, seq_len=8, dropout=0.2, seed=5)

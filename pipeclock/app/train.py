@@ -212,33 +212,17 @@ def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.
     keeps the replicas in step over the "dp" group.
     """
     world = comms.get_world_size()
+    options = dict(measure_memory=config.measure_memory, recompute=config.recompute, dtype=config.dtype)
     if config.dp == 1:
         modules = build_stage(config, comms.get_rank(), world, task)
-        pipe = Pipeline(
-            modules,
-            config.table(world),
-            config.microbatches,
-            task.loss_fn,
-            measure_memory=config.measure_memory,
-            recompute=config.recompute,
-            dtype=config.dtype,
-        )
+        pipe = Pipeline(modules, config.table(world), config.microbatches, task.loss_fn, **options)
         return pipe, modules, slice(None)
     mesh = init_mesh(config.dp)
     pp = world // config.dp
     modules = build_stage(config, pp_rank(mesh), pp, task)
     replicas = data_parallel(modules, mesh, config.data_parallel)
-    pipe = Pipeline(
-        replicas.chunks,
-        config.table(pp),
-        config.microbatches,
-        task.loss_fn,
-        measure_memory=config.measure_memory,
-        recompute=config.recompute,
-        dtype=config.dtype,
-        group=mesh.get_group("pp"),
-        replicas=replicas,
-    )
+    options |= dict(group=mesh.get_group("pp"), replicas=replicas)
+    pipe = Pipeline(replicas.chunks, config.table(pp), config.microbatches, task.loss_fn, **options)
     shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
     return pipe, replicas.modules, slice(shard.start, shard.stop)
 

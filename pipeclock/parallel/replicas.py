@@ -32,15 +32,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeclock import comms
+from pipeclock.engine.replicas import SinglePipeline
 from pipeclock.engine.ties import tie, tie_key
 
 DATA_PARALLEL = ("fsdp", "ddp")
 
 
-class _Replicas:
-    """What both engines share: the dp group, and sums over it."""
-
-    shards_gradients = False
+class _Replicas(SinglePipeline):
+    """What both engines share: the dp group, and sums over it (steps that need nothing do nothing)."""
 
     def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh):
         self.mesh = mesh["dp"]
@@ -61,21 +60,6 @@ class _Replicas:
         mine = torch.tensor([batch_size], dtype=torch.int64, device=comms.device())
         sizes = comms.all_gather(mine, "agreeing on the replicas' shards of the batch", self.group)
         return int(sum(sizes[: self.mesh.get_local_rank()]))
-
-    def begin_step(self) -> None:
-        pass
-
-    def before_last_backward(self, chunk: int, roots: list[torch.Tensor]) -> None:
-        pass
-
-    def after_last_backward(self, chunk: int) -> None:
-        pass
-
-    def end_evaluation(self) -> None:
-        pass
-
-    def take_sync_times(self) -> list[tuple[float, float]]:
-        return []
 
 
 class FullyShardedReplicas(_Replicas):
