@@ -21,6 +21,7 @@ autograd, a DDP pipeline runs each backward whole (``W`` does nothing).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -121,7 +122,7 @@ class DistributedReplicas(_Replicas):
     def _wrap(self, chunk: nn.Module) -> DistributedDataParallel:
         device_ids = [comms.device()] if comms.device().type == "cuda" else None
         wrapped = DistributedDataParallel(
-            chunk, device_ids=device_ids, process_group=self.group, broadcast_buffers=False
+            chunk, device_ids=device_ids, process_group=self.group, **_NO_BUFFER_SYNC_PER_FORWARD
         )
         wrapped.register_comm_hook(self, _sum_bucket)
         wrapped.require_backward_grad_sync = False  # forwards never prepare a sync (see the module doc)
@@ -133,6 +134,15 @@ class DistributedReplicas(_Replicas):
     def take_sync_times(self) -> list[tuple[float, float]]:
         times, self.sync_times = self.sync_times, []
         return times
+
+
+# The buffers (a GPT's rotary tables) are equal on every replica: no broadcast before each forward.
+# torch 2.13 names that forward_sync_buffers, and warns about the older broadcast_buffers.
+_NO_BUFFER_SYNC_PER_FORWARD = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def _sum_bucket(replicas, bucket):  # no annotations: DDP checks them at run time, and they are strings here
