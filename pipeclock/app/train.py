@@ -95,7 +95,8 @@ class TrainConfig:
                     f"{self.schedule_csv} has {found} micro-batches, not --microbatches {self.microbatches}"
                 )
             self.microbatches, self.schedule = found, Path(self.schedule_csv).name
-        self.microbatches = 8 if self.microbatches is None else self.microbatches
+        if self.microbatches is None:  # 8, unless a replica's share of the batch is smaller
+            self.microbatches = min(8, max(1, self.batch_size // max(1, self.dp)))
         check_values(self)
         check_balance(self.balance)
 

@@ -47,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "memory per stage, from a short profile of each layer on rank 0",
     )  # fmt: skip
     parser.add_argument(
-        "--microbatches", type=int, help="micro-batches per step (default 8, or the --schedule-csv file's)"
+        "--microbatches",
+        type=int,
+        help="micro-batches per step (default 8, fewer if a replica's share of --batch-size is smaller; "
+        "or the --schedule-csv file's)",
     )
     parser.add_argument(
         "--schedule-csv", metavar="FILE",
