@@ -1,10 +1,10 @@
-"""The clock-cycle loop: one rank runs its list of actions, whatever the schedule.
+"""A rank's share of a pipeline: the schedule it runs, the checks every rank agrees on, and the step.
 
-``Pipeline.step`` cuts the batch into micro-batches, then walks this rank's actions in order. Each
-action is one "tick": ``F`` runs a micro-batch forward through one local chunk, ``B`` runs it backward
-(or only its input-gradient half), ``W`` finishes the weight gradients. What to receive before a tick and
-what to send after it follows from the action alone (``pipeclock.engine.messenger``); the loop never
-asks which schedule it is running.
+``Pipeline.step`` cuts the batch into micro-batches, then walks this rank's actions in order
+(``pipeclock.engine.step_run``). Each action is one "tick": ``F`` runs a micro-batch forward through
+one local chunk, ``B`` runs it backward (or only its input-gradient half), ``W`` finishes the weight
+gradients. What to receive before a tick and what to send after it follows from the action alone
+(``pipeclock.engine.messenger``); the loop never asks which schedule it is running.
 
 The math is the one-device math: each micro-batch's loss is weighted by its share of what the batch's
 loss averages over (samples, or counted tokens: ``pipeclock.engine.losses``), dropout masks are keyed by
@@ -21,7 +21,6 @@ import time
 import warnings
 import zlib
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,33 +29,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import comms
-from pipeclock.engine import pytree, rng
+from pipeclock.engine import pytree
 from pipeclock.engine.actions import Action, Schedule, placement_of, validate
 from pipeclock.engine.backward import (
     ParameterOutputs,
-    backward_input,
-    backward_weight,
-    backward_whole,
-    gradient_roots,
-    held_tensors,
-    modified_in_place,
-    rebuilds_beyond_linears,
 )
 from pipeclock.engine.generators import Generator, generate
-from pipeclock.engine.losses import LossFn, loss_scales
+from pipeclock.engine.losses import LossFn
 from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
+from pipeclock.engine.step_run import StageError, StepRun
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span
 
-
-class StageError(RuntimeError):
-    """A stage's own computation failed (a shape that does not fit, a bad loss ...); names rank and action."""
+__all__ = ["Pipeline", "StageError", "StepRecord"]
 
 
 @dataclass
@@ -78,17 +69,6 @@ class StepRecord:
             total += max(0.0, end - max(start, reached))
             reached = max(reached, end)
         return total
-
-
-@dataclass
-class _Stash:
-    """What a micro-batch's forward leaves for its backward on one chunk."""
-
-    stage_input: object  # the received pytree (or the micro-batch's inputs on the first stage)
-    output: object | None  # the chunk's output pytree
-    root: torch.Tensor | None  # the weighted loss, on the last stage
-    captured: list = field(default_factory=list)
-    weight_work: list = field(default_factory=list)
 
 
 class Pipeline:
@@ -228,7 +208,7 @@ class Pipeline:
         sizes = self._agree_on_batch(inputs, targets)
         self.ties.prepare()
         self.replicas.begin_step()
-        run = _StepRun(self, sizes, inputs, targets)
+        run = StepRun(self, sizes, inputs, targets)
         with self.precision.step_region(self.device):
             run.run()
         self.ties.sync()
@@ -247,7 +227,7 @@ class Pipeline:
         sizes = self._agree_on_batch(inputs, targets)
         self.ties.prepare()
         modes = [chunk.training for chunk in self.chunks]
-        run = _StepRun(self, sizes, inputs, targets, training=False)
+        run = StepRun(self, sizes, inputs, targets, training=False)
         try:
             for chunk in self.chunks:
                 chunk.eval()
@@ -328,195 +308,11 @@ class Pipeline:
         return int(self.replicas.total(value, "adding up the global batch"))
 
 
-class _StepRun:
-    """The state of one step (or one evaluation) on one rank: micro-batches, stashes, loss and spans."""
-
-    def __init__(self, pipe: Pipeline, sizes: list[int], inputs, targets, training: bool = True):
-        self.pipe, self.sizes, self.training = pipe, sizes, training
-        self.actions = pipe.actions if training else pipe.forward_actions
-        self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
-        self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
-        self.targets = None
-        if pipe.rank == pipe.last_rank:
-            self.targets = pytree.split(targets, sizes, pipe.device)
-            self.scales = loss_scales(pipe.loss_fn, self.targets, sizes, pipe.global_total)
-        self.stash: dict[tuple[int, int], _Stash] = {}
-        self.loss: torch.Tensor | None = None
-        self.spans: list[Span] = []
-        self.syncs: list[tuple[float, float]] = []
-        self.meter = pipe.meter
-        if self.meter:
-            self.meter.reset()
-
-    def _stage(self, action: Action) -> int:
-        return self.pipe.placement.stage(self.pipe.rank, action.chunk)
-
-    def prefetch(self, index: int) -> None:
-        """Post the receive that action ``index`` will need, so its data arrives during this tick."""
-        if index >= len(self.actions):
-            return
-        action = self.actions[index]
-        stage, mb = self._stage(action), action.microbatch
-        if action.op == "F" and stage > 0:
-            self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
-        elif action.op in "BI" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
-            self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
-
-    def run(self) -> None:
-        self.pipe.messenger.sent_bytes = 0
-        self.prefetch(0)
-        for index, action in enumerate(self.actions):
-            self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
-            self.index = index
-            self.execute(action)
-            replicated = self.pipe.replicas.group is not None
-            if replicated and self.training and self.pipe.last_backward.get(action.chunk) == index:
-                self.sync_replicas(action.chunk)
-        self.pipe.messenger.finish()
-        self.sent_bytes = self.pipe.messenger.sent_bytes
-        self.syncs += self.pipe.replicas.take_sync_times()
-
-    def sync_replicas(self, chunk: int) -> None:
-        """The chunk's gradients are complete: the data-parallel engine sums them across replicas."""
-        start = time.perf_counter()
-        self.pipe.replicas.after_last_backward(chunk)
-        self.syncs.append((start, time.perf_counter()))
-
-    def execute(self, action: Action) -> None:
-        messenger = self.pipe.messenger
-        messenger.wait_seconds = 0.0
-        start = time.perf_counter()
-        try:
-            self.run_action(action)
-        except comms.CommError:
-            raise
-        except Exception as error:
-            stage = self._stage(action)
-            raise StageError(
-                f"rank {self.pipe.global_rank}: {action} (virtual stage {stage}) failed: {error}"
-                + self._input_note(action)
-            ) from error
-        if self.pipe.device.type == "cuda":
-            torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
-        end = time.perf_counter()
-        self.spans.append(Span(self.pipe.global_rank, action, start, end, messenger.wait_seconds))
-
-    def run_action(self, action: Action) -> None:
-        if action.op == "F":
-            self.forward(action)
-        elif action.op in "BI":
-            self.backward(action)
-        elif self.pipe.replicas.split_backward:  # else W's work was done by its I, run whole
-            self.weight(action)
-
-    def _input_note(self, action: Action) -> str:
-        """For a failed forward: what the previous stage handed over, which names both stages."""
-        stage = self._stage(action)
-        if action.op != "F" or stage == 0:
-            return ""
-        sender = self.pipe.placement.owner(stage - 1)[0]
-        received = getattr(self, "_last_input", None)
-        shown = pytree.describe(received) if received is not None else "nothing"
-        return f"; its input came from stage {stage - 1} (rank {sender}) as {shown}"
-
-    def forward(self, action: Action) -> None:
-        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
-        if stage == 0:
-            stage_input = self.inputs[mb]
-        else:
-            stage_input = pipe.messenger.receive_activation(stage, mb, self.sizes[mb])
-            self._last_input = stage_input
-            if self.training:
-                for leaf in pytree.gradient_leaves(stage_input):
-                    leaf.requires_grad_()
-        with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
-            output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
-        if stage == pipe.num_virtual - 1:
-            root = pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb]) * self.scales[mb]
-            self.loss = root.detach() if self.loss is None else self.loss + root.detach()
-        else:
-            root = None
-            pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
-        if self.training:
-            self.stash[(mb, action.chunk)] = _Stash(stage_input, output, root, self._captured)
-            if self.meter:
-                self.meter.hold((mb, action.chunk))
-
-    def _run_chunk(self, chunk: int, stage_input, key: tuple[int, int]):
-        """The chunk's forward; in training, its parameter outputs captured and its activations metered."""
-        pipe = self.pipe
-        if not self.training:  # whatever autograd would save is metered: nothing, under no_grad
-            self._captured = []
-            with self.meter.measuring(key, []) if self.meter else nullcontext():
-                output = pipe.chunks[chunk](stage_input)
-            if self.meter:
-                self.meter.hold(key)
-                self.meter.release(key)
-            return output
-        stashed: list[torch.Tensor] = pytree.leaves(stage_input)
-        with self.meter.measuring(key, stashed) if self.meter else nullcontext():
-            with pipe.parameter_outputs.capture() as self._captured:
-                fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
-                output = pipe.chunks[chunk](fed)
-            stashed += pytree.leaves(output)
-        return output
-
-    def backward(self, action: Action) -> None:
-        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
-        key = (mb, action.chunk)
-        stash = self.stash[key]
-        if stage == pipe.num_virtual - 1:
-            roots, grads = [stash.root], None
-        else:
-            received = pipe.messenger.receive_gradient(stage, mb, stash.output)
-            roots, grads = gradient_roots(pytree.gradient_leaves(stash.output), received)
-        inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
-        replicas = pipe.replicas
-        deferred = action.op == "I" and replicas.split_backward  # the weights' half waits for a W
-        if not replicas.split_backward and pipe.last_backward[action.chunk] == self.index:
-            replicas.before_last_backward(action.chunk, roots)
-        whole = not replicas.split_backward
-        # A whole backward is one autograd call when the graph must be kept for some module anyway (not
-        # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        whole_graph = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
-        if whole or (not deferred and (whole_graph or modified_in_place(stash.captured))):
-            input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
-            self._done(*key)
-        else:
-            keep_graph = pipe.parameter_outputs.keeps_graph
-            with pipe.parameter_outputs.rebuilding(stash.captured):
-                input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
-            if deferred:  # W comes later: hold only what it needs
-                output, root = (stash.output, stash.root) if keep_graph else (None, None)
-                self.stash[key] = _Stash(stash.stage_input, output, root, [], work)
-                if self.meter:
-                    self.meter.update(key, held_tensors(work), keep_graph)
-            else:
-                backward_weight(work)
-                self._done(*key)
-        if stage > 0:
-            pipe.messenger.send_gradient(stage, mb, input_grads)
-
-    def weight(self, action: Action) -> None:
-        backward_weight(self.stash[(action.microbatch, action.chunk)].weight_work)
-        self._done(action.microbatch, action.chunk)
-
-    def _done(self, mb: int, chunk: int) -> None:
-        del self.stash[(mb, chunk)]
-        if self.meter:
-            self.meter.release((mb, chunk))
-
-
 def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """The global ranks of ``group`` in group order (the whole world for None)."""
     if group is None or not dist.is_initialized():
         return list(range(comms.get_world_size()))
     return dist.get_process_group_ranks(group)
-
-
-def _copy_floats(tree):
-    """A copy of the floating leaves, for a chunk whose first layer works in place on its input."""
-    return pytree.tree_map(lambda leaf: leaf.clone() if pytree.carries_gradient(leaf) else leaf, tree)
 
 
 def _warn_about_batch_norm(rank: int, chunks: list[nn.Module]) -> None:

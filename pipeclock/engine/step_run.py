@@ -1,0 +1,229 @@
+"""One step (or one evaluation) on one rank: the clock-cycle loop over this rank's actions.
+
+A ``Pipeline`` builds a ``StepRun`` for each ``step`` or ``evaluate``. It cuts the batch into
+micro-batches, walks the rank's actions in order, and for each one receives what the action needs (posted
+one tick ahead), runs it, and sends what it produced. It keeps each micro-batch's stash from its ``F``
+until its last backward action, the loss, the measured spans, and the data-parallel sums.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeclock import comms
+from pipeclock.engine import pytree, rng
+from pipeclock.engine.actions import Action
+from pipeclock.engine.backward import (
+    backward_input,
+    backward_weight,
+    backward_whole,
+    gradient_roots,
+    held_tensors,
+    modified_in_place,
+    rebuilds_beyond_linears,
+)
+from pipeclock.engine.losses import loss_scales
+from pipeclock.observe.timeline import Span
+
+
+class StageError(RuntimeError):
+    """A stage's own computation failed (a shape that does not fit, a bad loss ...); names rank and action."""
+
+
+@dataclass
+class _Stash:
+    """What a micro-batch's forward leaves for its backward on one chunk."""
+
+    stage_input: object  # the received pytree (or the micro-batch's inputs on the first stage)
+    output: object | None  # the chunk's output pytree
+    root: torch.Tensor | None  # the weighted loss, on the last stage
+    captured: list = field(default_factory=list)
+    weight_work: list = field(default_factory=list)
+
+
+class StepRun:
+    """The state of one step (or one evaluation) on one rank: micro-batches, stashes, loss and spans."""
+
+    def __init__(self, pipe, sizes: list[int], inputs, targets, training: bool = True):
+        self.pipe, self.sizes, self.training = pipe, sizes, training
+        self.actions = pipe.actions if training else pipe.forward_actions
+        self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
+        self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
+        self.targets = None
+        if pipe.rank == pipe.last_rank:
+            self.targets = pytree.split(targets, sizes, pipe.device)
+            self.scales = loss_scales(pipe.loss_fn, self.targets, sizes, pipe.global_total)
+        self.stash: dict[tuple[int, int], _Stash] = {}
+        self.loss: torch.Tensor | None = None
+        self.spans: list[Span] = []
+        self.syncs: list[tuple[float, float]] = []
+        self.meter = pipe.meter
+        if self.meter:
+            self.meter.reset()
+
+    def _stage(self, action: Action) -> int:
+        return self.pipe.placement.stage(self.pipe.rank, action.chunk)
+
+    def prefetch(self, index: int) -> None:
+        """Post the receive that action ``index`` will need, so its data arrives during this tick."""
+        if index >= len(self.actions):
+            return
+        action = self.actions[index]
+        stage, mb = self._stage(action), action.microbatch
+        if action.op == "F" and stage > 0:
+            self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
+        elif action.op in "BI" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
+            self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
+
+    def run(self) -> None:
+        self.pipe.messenger.sent_bytes = 0
+        self.prefetch(0)
+        for index, action in enumerate(self.actions):
+            self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
+            self.index = index
+            self.execute(action)
+            replicated = self.pipe.replicas.group is not None
+            if replicated and self.training and self.pipe.last_backward.get(action.chunk) == index:
+                self.sync_replicas(action.chunk)
+        self.pipe.messenger.finish()
+        self.sent_bytes = self.pipe.messenger.sent_bytes
+        self.syncs += self.pipe.replicas.take_sync_times()
+
+    def sync_replicas(self, chunk: int) -> None:
+        """The chunk's gradients are complete: the data-parallel engine sums them across replicas."""
+        start = time.perf_counter()
+        self.pipe.replicas.after_last_backward(chunk)
+        self.syncs.append((start, time.perf_counter()))
+
+    def execute(self, action: Action) -> None:
+        messenger = self.pipe.messenger
+        messenger.wait_seconds = 0.0
+        start = time.perf_counter()
+        try:
+            self.run_action(action)
+        except comms.CommError:
+            raise
+        except Exception as error:
+            stage = self._stage(action)
+            raise StageError(
+                f"rank {self.pipe.global_rank}: {action} (virtual stage {stage}) failed: {error}"
+                + self._input_note(action)
+            ) from error
+        if self.pipe.device.type == "cuda":
+            torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
+        end = time.perf_counter()
+        self.spans.append(Span(self.pipe.global_rank, action, start, end, messenger.wait_seconds))
+
+    def run_action(self, action: Action) -> None:
+        if action.op == "F":
+            self.forward(action)
+        elif action.op in "BI":
+            self.backward(action)
+        elif self.pipe.replicas.split_backward:  # else W's work was done by its I, run whole
+            self.weight(action)
+
+    def _input_note(self, action: Action) -> str:
+        """For a failed forward: what the previous stage handed over, which names both stages."""
+        stage = self._stage(action)
+        if action.op != "F" or stage == 0:
+            return ""
+        sender = self.pipe.placement.owner(stage - 1)[0]
+        received = getattr(self, "_last_input", None)
+        shown = pytree.describe(received) if received is not None else "nothing"
+        return f"; its input came from stage {stage - 1} (rank {sender}) as {shown}"
+
+    def forward(self, action: Action) -> None:
+        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
+        if stage == 0:
+            stage_input = self.inputs[mb]
+        else:
+            stage_input = pipe.messenger.receive_activation(stage, mb, self.sizes[mb])
+            self._last_input = stage_input
+            if self.training:
+                for leaf in pytree.gradient_leaves(stage_input):
+                    leaf.requires_grad_()
+        with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
+            output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
+        if stage == pipe.num_virtual - 1:
+            root = pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb]) * self.scales[mb]
+            self.loss = root.detach() if self.loss is None else self.loss + root.detach()
+        else:
+            root = None
+            pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
+        if self.training:
+            self.stash[(mb, action.chunk)] = _Stash(stage_input, output, root, self._captured)
+            if self.meter:
+                self.meter.hold((mb, action.chunk))
+
+    def _run_chunk(self, chunk: int, stage_input, key: tuple[int, int]):
+        """The chunk's forward; in training, its parameter outputs captured and its activations metered."""
+        pipe = self.pipe
+        if not self.training:  # whatever autograd would save is metered: nothing, under no_grad
+            self._captured = []
+            with self.meter.measuring(key, []) if self.meter else nullcontext():
+                output = pipe.chunks[chunk](stage_input)
+            if self.meter:
+                self.meter.hold(key)
+                self.meter.release(key)
+            return output
+        stashed: list[torch.Tensor] = pytree.leaves(stage_input)
+        with self.meter.measuring(key, stashed) if self.meter else nullcontext():
+            with pipe.parameter_outputs.capture() as self._captured:
+                fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
+                output = pipe.chunks[chunk](fed)
+            stashed += pytree.leaves(output)
+        return output
+
+    def backward(self, action: Action) -> None:
+        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
+        key = (mb, action.chunk)
+        stash = self.stash[key]
+        if stage == pipe.num_virtual - 1:
+            roots, grads = [stash.root], None
+        else:
+            received = pipe.messenger.receive_gradient(stage, mb, stash.output)
+            roots, grads = gradient_roots(pytree.gradient_leaves(stash.output), received)
+        inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
+        replicas = pipe.replicas
+        deferred = action.op == "I" and replicas.split_backward  # the weights' half waits for a W
+        if not replicas.split_backward and pipe.last_backward[action.chunk] == self.index:
+            replicas.before_last_backward(action.chunk, roots)
+        whole = not replicas.split_backward
+        # A whole backward is one autograd call when the graph must be kept for some module anyway (not
+        # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
+        whole_graph = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
+        if whole or (not deferred and (whole_graph or modified_in_place(stash.captured))):
+            input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
+            self._done(*key)
+        else:
+            keep_graph = pipe.parameter_outputs.keeps_graph
+            with pipe.parameter_outputs.rebuilding(stash.captured):
+                input_grads, work = backward_input(roots, grads, inputs, stash.captured, keep_graph)
+            if deferred:  # W comes later: hold only what it needs
+                output, root = (stash.output, stash.root) if keep_graph else (None, None)
+                self.stash[key] = _Stash(stash.stage_input, output, root, [], work)
+                if self.meter:
+                    self.meter.update(key, held_tensors(work), keep_graph)
+            else:
+                backward_weight(work)
+                self._done(*key)
+        if stage > 0:
+            pipe.messenger.send_gradient(stage, mb, input_grads)
+
+    def weight(self, action: Action) -> None:
+        backward_weight(self.stash[(action.microbatch, action.chunk)].weight_work)
+        self._done(action.microbatch, action.chunk)
+
+    def _done(self, mb: int, chunk: int) -> None:
+        del self.stash[(mb, chunk)]
+        if self.meter:
+            self.meter.release((mb, chunk))
+
+
+def _copy_floats(tree):
+    """A copy of the floating leaves, for a chunk whose first layer works in place on its input."""
+    return pytree.tree_map(lambda leaf: leaf.clone() if pytree.carries_gradient(leaf) else leaf, tree)
