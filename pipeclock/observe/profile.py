@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -179,17 +178,20 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
     """One layer's costs, and its output (detached) to feed the next kind of layer."""
     capture = ParameterOutputs([layer])
     parameters = {p.data_ptr() for p in layer.parameters()}
-    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "peak": []}
+    samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
     for run in range(warmup + repeats):
         for split in (False, True):
-            record = _one_pass(layer, given, targets, loss_fn, capture, first, split)
+            timed = _one_pass(layer, given, targets, loss_fn, capture, first, split, accumulate=True)
             if run >= warmup:
-                for op, seconds in record.times.items():
-                    samples[op].append(seconds)
+                for op in samples.keys() & timed.times.keys():
+                    samples[op].append(timed.times[op])
+    layer.zero_grad(set_to_none=True)
+    peak = _one_pass(layer, given, targets, loss_fn, capture, first, split=False).times["peak"]
+    record = _one_pass(layer, given, targets, loss_fn, capture, first, split=True)
     sizes = _sizes(record, parameters)
     gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
     kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
-    workspace = max(0, round(statistics.median(samples["peak"])) - kept)
+    workspace = max(0, round(peak) - kept)
     keeps_graph = capture.keeps_graph
     whole = min(samples["B"])
     split_total = min(samples["I"]) + min(samples["W"])
@@ -223,11 +225,23 @@ class _Pass:
     times: dict[str, float]
 
 
-def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: bool, split: bool) -> _Pass:
-    """F, then B (or I and W when ``split``), timed; the layer's gradients are dropped after.
+def _one_pass(
+    layer,
+    given,
+    targets,
+    loss_fn,
+    capture: ParameterOutputs,
+    first: bool,
+    split: bool,
+    accumulate: bool = False,
+) -> _Pass:
+    """F, then B (or I and W when ``split``), timed.
 
     A received input is a fresh leaf that wants its gradient, as in the engine; the model's own input
-    (``first``) wants none.
+    (``first``) wants none. With ``accumulate`` the backward adds into the gradients already there, as
+    every micro-batch but a step's first does in the engine: for a wide layer that read-add-write of
+    the whole gradient costs as much as a third of the backward. Without it the gradients start empty
+    (the memory is measured so, from nothing) and are dropped after.
     """
     wants_grad = (lambda t: False) if first else pytree.carries_gradient
     fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, given)
@@ -245,7 +259,8 @@ def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: 
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    layer.zero_grad(set_to_none=True)
+    if not accumulate:
+        layer.zero_grad(set_to_none=True)
     base = _memory.start()
     start = _now()
     with into(saved, kept), capture.capture() as captured:
@@ -271,7 +286,8 @@ def _one_pass(layer, given, targets, loss_fn, capture: ParameterOutputs, first: 
         backward_whole(roots, grads, inputs)
         times["B"] = _now() - start
         times["peak"] = _memory.peak() - base
-    layer.zero_grad(set_to_none=True)
+    if not accumulate:
+        layer.zero_grad(set_to_none=True)
     given_targets = pytree.leaves(targets) if targets is not None else []
     return _Pass(output, pytree.leaves(fed), saved, loss_saved, given_targets, kept, held, times)
 
