@@ -79,12 +79,12 @@ def test_the_profile_measures_each_kind_once_so_identical_layers_cost_the_same()
     assert layers[-1].keeps_output == 0  # no ReLU after the last layer
 
 
-def test_the_profile_of_a_gpt_names_its_pieces_and_only_blocks_are_recomputable():
+def test_the_profile_of_a_gpt_names_its_pieces_and_a_checkpointed_block_keeps_only_its_input():
     torch.set_num_threads(1)
     layers = profile(gpt_spec(GPTConfig(dim=32, layers=3, heads=2, seq_len=16)), 2, repeats=1, warmup=0)
     assert [x.name for x in layers] == ["embed", "h0", "h1", "h2", "head"]
-    assert [x.recomputable for x in layers] == [False, True, True, True, False]
     assert layers[1].held > layers[1].output_bytes  # a block saves far more than it hands on
+    assert layers[1].checkpointed == (0, layers[1].input_bytes, 0)
 
 
 def _my_layers(rank, world, balance):

@@ -30,9 +30,9 @@ from pipeclock.app.docs_build import (
     matched_lines,
     pages,
     read_blocks,
-    run_command,
 )
 from pipeclock.app.docs_tables import refresh_generated
+from tests.commands import run_once
 
 RUN_LONG = os.environ.get("PIPECLOCK_DOCS_LONG") == "1"
 BLOCKS = [block for page in pages() for block in read_blocks(page)]
@@ -45,7 +45,7 @@ def test_a_quoted_command_prints_what_its_page_shows(block):
     if block.notes.long and not RUN_LONG:
         pytest.skip(f"long: {block.notes.long} (PIPECLOCK_DOCS_LONG=1 runs it)")
     assert block.output, f"{block}: quotes no output yet; `make docs` writes it in"
-    ran = run_command(block.command)
+    ran = run_once(block.command).ran
     try:
         check(block, ran)
     except Mismatch as mismatch:

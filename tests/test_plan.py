@@ -67,16 +67,25 @@ def test_a_stage_holds_its_input_each_inner_boundary_once_and_its_output():
     assert stage_bytes(layers()[:3], Training(dtype="bf16")).forward == 2 * MB_TENSOR
 
 
-def test_full_recompute_keeps_block_inputs_and_holds_one_block_during_its_backward():
-    bytes_ = stage_bytes(layers()[:3], Training(recompute=Recompute.parse("full")))
-    # the stage input and output; the inputs of blocks 1 and 2; during a backward, one block's whole
-    assert bytes_.forward == 4 * MB_TENSOR
-    assert bytes_.backward_extra == MB_TENSOR
-    two = stage_bytes(layers(6)[:6], Training(recompute=Recompute.parse("every-3")))
-    none = stage_bytes(layers(6)[:6])
-    assert two.forward == 3 * MB_TENSOR  # input, output, and the second segment's input
-    assert none.forward == 7 * MB_TENSOR
-    assert two.backward_extra == 3 * MB_TENSOR  # a segment: its input and two inner boundaries
+def test_full_recompute_keeps_the_stage_input_and_rebuilds_the_whole_stage_in_its_backward():
+    full = stage_bytes(layers()[:3], Training(recompute=Recompute.parse("full")))
+    assert full.forward == 2 * MB_TENSOR  # the stage's input (the checkpoint's too) and its output
+    # during its backward the stage is rebuilt: its input and the two inner boundaries
+    assert full.backward_extra == 3 * MB_TENSOR
+
+
+def test_every_k_checkpoints_every_kth_layer_which_keeps_what_it_keeps_when_checkpointed():
+    model = layers(6)
+    assert stage_bytes(model, Training(recompute=Recompute.parse("every-2"))).forward == 7 * MB_TENSOR, (
+        "an MLP layer keeps its input anyway, checkpointed or not (the ReLU after it keeps its output)"
+    )
+    # a block that saves three tensors inside, and only its input when checkpointed
+    blocks = [replace(x, held=3 * MB_TENSOR, checkpointed=(0, MB_TENSOR, 0)) for x in model]
+    none = stage_bytes(blocks)
+    every2 = stage_bytes(blocks, Training(recompute=Recompute.parse("every-2")))
+    assert none.forward - every2.forward == 3 * (3 * MB_TENSOR)  # layers 1, 3 and 5 drop their insides
+    assert every2.backward_extra == 4 * MB_TENSOR  # one rebuilt block: its input and insides
+    assert [Recompute.parse("every-2").checkpointed(i) for i in range(4)] == [False, True, False, True]
 
 
 def test_what_the_meter_misses_is_held_from_each_forward_to_its_backward():
@@ -223,6 +232,47 @@ def test_the_predicted_activation_peak_is_what_the_meter_measures_in_a_real_run(
         measured = [peaks[schedule] for peaks in per_rank]
         predicted = [rank.activations for rank in judge(model, schedule, 2, 4, simulated=False).memory]
         assert predicted == pytest.approx(measured, rel=0.10), schedule
+
+
+RECOMPUTE_MEASURED = ("none", "every-2", "full")
+GPT_PLANNED = dict(dim=32, layers=4, heads=2, seq_len=16, dropout=0.0, seed=1)
+
+
+def _gpt_peaks(rank, world, m, batch):
+    from pipeclock.engine.losses import TokenCrossEntropy
+    from pipeclock.engine.orchestrator import Pipeline
+    from pipeclock.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(**GPT_PLANNED)
+    ids = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=torch.Generator())
+    peaks = {}
+    for schedule in ("1f1b", "zb-h1"):
+        for policy in RECOMPUTE_MEASURED:
+            chunks = GPT.for_rank(config, rank, world)
+            pipe = Pipeline(chunks, schedule, m, TokenCrossEntropy(), recompute=policy)
+            pipe.step(ids[:, :-1], ids[:, 1:])
+            peaks[schedule, policy] = pipe.last.peak_activation_bytes
+    return peaks
+
+
+@pytest.mark.slow
+def test_recompute_lowers_the_measured_peak_on_a_gpt_as_the_planner_predicts():
+    from pipeclock.models.gpt import GPTConfig
+    from pipeclock.observe.profile import gpt_spec
+
+    torch.set_num_threads(1)
+    m, batch = 4, 8
+    model = profile(gpt_spec(GPTConfig(**GPT_PLANNED)), samples=batch // m, repeats=1, warmup=0)
+    per_rank = run_ok(_gpt_peaks, 2, m, batch)
+    for schedule in ("1f1b", "zb-h1"):
+        for policy in RECOMPUTE_MEASURED:
+            training = Training(recompute=Recompute.parse(policy))
+            plan = judge(model, schedule, 2, m, training, simulated=False)
+            predicted = [rank.activations for rank in plan.memory]
+            measured = [peaks[schedule, policy] for peaks in per_rank]
+            assert predicted == pytest.approx(measured, rel=0.10), (schedule, policy)
+        rank0 = per_rank[0]
+        assert rank0[schedule, "full"] < rank0[schedule, "every-2"] < rank0[schedule, "none"]
 
 
 def test_a_measured_model_is_planned_and_its_memory_drawn(monkeypatch, capsys, tmp_path):

@@ -66,7 +66,6 @@ def rough_layers(parameters: int, num_layers: int, samples: int) -> list[LayerCo
                 unmetered=0,
                 largest_parameter=0,  # a fused optimizer step: no temporaries
                 keeps_graph=False,
-                recomputable=True,
             )
         )
     return layers

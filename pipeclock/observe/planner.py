@@ -14,9 +14,11 @@ on any machine and are easy to check by hand.
 
 Modelled beyond what the engine measures today:
 
-- activation recompute, ``every-K``: a stage's blocks are taken in segments of K (``full`` is K = 1);
-  a segment keeps only its input, is recomputed (one more forward) before its backward, and during
-  that backward holds its whole activations once;
+- activation recompute, as the engine applies it to each stage: ``full`` checkpoints the whole stage,
+  which then keeps only its input; ``every-K`` checkpoints every K-th layer of the stage, which keeps
+  what the profile measured it to keep when checkpointed (its input, for a GPT block). A checkpointed
+  span runs its forward again in its backward and holds its activations meanwhile: working memory of
+  that backward (the meter leaves it out, the resident memory does not);
 - bf16 (autocast): activations and messages take half the bytes; the fp32 master weights, gradients
   and optimizer state stay as they are.
 """
@@ -94,23 +96,33 @@ def format_bytes(count: float, binary: bool = False, digits: int = 3) -> str:
 
 @dataclass(frozen=True)
 class Recompute:
-    """``none``, ``full``, or ``every-K``: blocks recomputed in segments of K (``full`` = every-1)."""
+    """``none``, ``full`` (the whole stage one checkpoint), or ``every-K`` (every K-th layer of a stage
+    checkpointed alone), as ``pipeclock.engine.recompute`` applies them."""
 
-    every: int = 0  # 0: nothing recomputed
+    every: int = 0  # K of every-K; 0: no layer checkpointed alone
+    full: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Recompute:
         if text == "none":
-            return cls(0)
+            return cls()
         if text == "full":
-            return cls(1)
+            return cls(full=True)
         match = re.fullmatch(r"every-(\d+)", text)
         if not match or int(match.group(1)) < 1:
             raise ValueError(f"unknown recompute {text!r}: use none, full or every-K (K >= 1)")
         return cls(int(match.group(1)))
 
+    @property
+    def enabled(self) -> bool:
+        return self.full or self.every > 0
+
+    def checkpointed(self, position: int) -> bool:
+        """Whether the layer at ``position`` in its stage is checkpointed alone (every-K)."""
+        return self.every > 0 and (position + 1) % self.every == 0
+
     def __str__(self) -> str:
-        return {0: "none", 1: "full"}.get(self.every, f"every-{self.every}")
+        return "full" if self.full else f"every-{self.every}" if self.every else "none"
 
 
 @dataclass(frozen=True)
@@ -154,20 +166,17 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
     (stashed by the engine), what each layer saves, and each inner boundary once if either side keeps it.
     """
     scale = ACTIVATION_SCALE[training.dtype]
-    segments = _segments(layers, training.recompute.every)
+    recompute = training.recompute
     total = layers[0].input_bytes + layers[-1].output_bytes
-    extra = 0
-    for segment in segments:
-        full = _inner_bytes(segment)
-        if segment[0].recomputable and training.recompute.every:
-            # the checkpoint keeps the segment's input (already counted when it is the stage's input)
-            total += 0 if segment[0] is layers[0] else _boundary_in(segment)
-            extra = max(extra, full + _boundary_in(segment))
-        else:
-            total += full
-    for before, after in itertools.pairwise(segments):
-        if not (after[0].recomputable and training.recompute.every):
-            total += max(before[-1].keeps_output, after[0].keeps_input)
+    if recompute.full:  # one checkpoint: it keeps the stage's input, already counted
+        extra = _inner_bytes(layers, [False] * len(layers)) + layers[0].input_bytes
+    else:
+        checkpointed = [recompute.checkpointed(position) for position in range(len(layers))]
+        total += _inner_bytes(layers, checkpointed)
+        extra = max(
+            (layer.held + layer.input_bytes for layer, c in zip(layers, checkpointed, strict=True) if c),
+            default=0,
+        )
     weight_work = sum(layer.weight_held for layer in layers)
     return StageBytes(
         round(total * scale),
@@ -179,28 +188,13 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
     )
 
 
-def _segments(layers: Sequence[LayerCost], every: int) -> list[list[LayerCost]]:
-    """Runs of layers: each non-recomputable layer alone, recomputable ones in groups of ``every``."""
-    segments: list[list[LayerCost]] = []
-    for layer in layers:
-        grouping = every and layer.recomputable
-        tail = segments[-1] if segments else None
-        if grouping and tail and tail[0].recomputable and len(tail) < every:
-            tail.append(layer)
-        else:
-            segments.append([layer])
-    return segments
-
-
-def _inner_bytes(segment: Sequence[LayerCost]) -> int:
-    """What a run of layers saves inside itself: each layer's own, and the boundaries between them."""
-    total = sum(layer.held for layer in segment)
-    total += sum(max(a.keeps_output, b.keeps_input) for a, b in itertools.pairwise(segment))
+def _inner_bytes(layers: Sequence[LayerCost], checkpointed: Sequence[bool]) -> int:
+    """What a run of layers saves inside itself: each layer's own, and each boundary between two layers
+    once, when either side keeps it."""
+    saves = [layer.saves(c) for layer, c in zip(layers, checkpointed, strict=True)]
+    total = sum(held for held, _, _ in saves)
+    total += sum(max(a[2], b[1]) for a, b in itertools.pairwise(saves))
     return total
-
-
-def _boundary_in(segment: Sequence[LayerCost]) -> int:
-    return segment[0].input_bytes
 
 
 # --- a whole plan: the cut, the memory per rank, the step time ----------------------------------------
@@ -318,7 +312,8 @@ def rank_memory(
         peak = activation_peak(actions, [stages[s] for s in virtual], keeps_graph)
         messages = max(_message_bytes(layers, cut, s, scale) for s in virtual)
         chunks = [stages[s] for s in virtual]
-        workspace = max(chunk.workspace for chunk in chunks) + unmetered_peak(actions, chunks, keeps_graph)
+        working = max(chunk.workspace + chunk.backward_extra for chunk in chunks)  # one action at a time
+        workspace = working + unmetered_peak(actions, chunks, keeps_graph)
         largest = max(layers[i].largest_parameter for i in held_layers)
         result.append(
             RankMemory(
@@ -339,6 +334,7 @@ def activation_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], kee
 
     ``chunks[c]`` is what its chunk c holds per micro-batch. A split backward's I swaps the forward's
     bytes for what W needs (plus the forward's, when W goes back through the graph: ``keeps_graph``).
+    A recomputed span's rebuild is the backward's working memory, not counted here (nor by the meter).
     """
     held: dict[tuple[int, int], int] = {}
     live = peak = 0
@@ -348,7 +344,6 @@ def activation_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], kee
             held[key] = chunk.forward
             live += chunk.forward
         elif action.op in ("B", "I"):
-            peak = max(peak, live + chunk.backward_extra)
             if action.op == "B":
                 live -= held.pop(key)
             else:
@@ -413,7 +408,8 @@ def step_time(
 
 
 def _stage_times(layers: Sequence[LayerCost], training: Training) -> dict[str, float]:
-    again = sum(x.forward for x in layers if x.recomputable) if training.recompute.every else 0.0
+    recompute = training.recompute
+    again = sum(x.forward for i, x in enumerate(layers) if recompute.full or recompute.checkpointed(i))
     return {
         "F": sum(x.forward for x in layers),
         "B": again + sum(x.backward for x in layers),

@@ -35,6 +35,7 @@ from pipeclock.engine.backward import (
     held_tensors,
 )
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.recompute import apply_recompute
 from pipeclock.models.gpt import GPTConfig, build_piece, piece_name
 from pipeclock.models.mlp import ShardedMLP
 
@@ -70,7 +71,16 @@ class LayerCost:
     unmetered: int  # what F keeps beyond ``held`` in whole storages (views, the engine's captures)
     largest_parameter: int  # bytes of its largest parameter tensor (the optimizer's temporaries)
     keeps_graph: bool  # W goes back through autograd (a module with parameters that is not a Linear)
-    recomputable: bool  # a block that activation recompute may drop and recompute
+    # the same three under ``--recompute every-K`` when this layer is one of the checkpointed blocks
+    # (None: as without recompute); measured, because what stays outside the checkpoint depends on the
+    # module (ShardedMLP's ReLU runs after its checkpointed Linear and still saves its output)
+    checkpointed: tuple[int, int, int] | None = None  # (held, keeps_input, keeps_output)
+
+    def saves(self, checkpointed: bool) -> tuple[int, int, int]:
+        """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
+        if checkpointed and self.checkpointed is not None:
+            return self.checkpointed
+        return self.held, self.keeps_input, self.keeps_output
 
     def scaled(self, samples: int) -> LayerCost:
         """The same layer for another micro-batch size: bytes and times in proportion to the samples.
@@ -85,7 +95,8 @@ class LayerCost:
         times = {
             name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
         }
-        return replace(self, samples=samples, **changed, **times)
+        checkpointed = self.checkpointed and tuple(round(x * k) for x in self.checkpointed)
+        return replace(self, samples=samples, checkpointed=checkpointed, **changed, **times)
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,6 @@ class ModelSpec:
     layer_name: Callable[[int], str]
     batch: Callable[[int], tuple]
     loss_fn: Callable
-    recomputable: Callable[[int], bool]
 
 
 def mlp_spec(hidden: int, layers: int, seed: int = 0) -> ModelSpec:
@@ -121,7 +131,6 @@ def mlp_spec(hidden: int, layers: int, seed: int = 0) -> ModelSpec:
         layer_name=str,
         batch=batch,
         loss_fn=F.mse_loss,
-        recomputable=lambda i: True,
     )
 
 
@@ -142,7 +151,6 @@ def gpt_spec(config: GPTConfig) -> ModelSpec:
         layer_name=lambda i: piece_name(i, config),
         batch=batch,
         loss_fn=TokenCrossEntropy(),
-        recomputable=lambda i: 0 < i < last,
     )
 
 
@@ -160,15 +168,16 @@ def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) ->
             continue
         layer = spec.build(index)
         last = index == spec.num_layers - 1
+        flowing_in = flowing
         cost, flowing = _measure(
             layer, flowing, targets if last else None, spec.loss_fn, index == 0, repeats, warmup
         )
-        measured[kind] = replace(cost, kind=kind, samples=samples, recomputable=spec.recomputable(index))
+        checkpointed = _checkpointed_saves(
+            layer, flowing_in, targets if last else None, spec.loss_fn, index == 0
+        )
+        measured[kind] = replace(cost, kind=kind, samples=samples, checkpointed=checkpointed)
         del layer
-    return [
-        replace(measured[spec.kind(i)], name=spec.layer_name(i), recomputable=spec.recomputable(i))
-        for i in range(spec.num_layers)
-    ]
+    return [replace(measured[spec.kind(i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
 
 
 Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
@@ -206,7 +215,6 @@ def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: in
         input_grad=min(samples["I"]),
         weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
-        recomputable=False,
         workspace=workspace,
         **sizes,
     )
@@ -290,6 +298,16 @@ def _one_pass(
         layer.zero_grad(set_to_none=True)
     given_targets = pytree.leaves(targets) if targets is not None else []
     return _Pass(output, pytree.leaves(fed), saved, loss_saved, given_targets, kept, held, times)
+
+
+def _checkpointed_saves(layer: nn.Module, given, targets, loss_fn, first: bool) -> tuple[int, int, int]:
+    """What ``layer`` saves in its forward once the engine checkpoints it as one block (``every-1``):
+    (held, keeps_input, keeps_output). Done last: the checkpoint wraps the layer in place."""
+    apply_recompute([layer], "every-1")
+    parameters = {p.data_ptr() for p in layer.parameters()}
+    record = _one_pass(layer, given, targets, loss_fn, ParameterOutputs([layer]), first, split=False)
+    sizes = _sizes(record, parameters)
+    return sizes["held"], sizes["keeps_input"], sizes["keeps_output"]
 
 
 def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:

@@ -287,7 +287,7 @@ def _plural(count: int, word: str) -> str:
 
 def _label(plan: Plan) -> str:
     chunks = f", v={plan.chunks}" if plan.chunks > 1 else ""
-    recompute = f", recompute {plan.training.recompute}" if plan.training.recompute.every else ""
+    recompute = f", recompute {plan.training.recompute}" if plan.training.recompute.enabled else ""
     return f"{plan.schedule}{chunks}, m={plan.microbatches}{recompute}"
 
 
