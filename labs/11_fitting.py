@@ -112,7 +112,7 @@ def per_rank(values: list[int], unit: str = " MiB") -> str:
 def show_recompute(runs: dict[str, Run]) -> None:
     steps = len(runs["none"].losses)
     print(f"1. recompute: memory against time ({SCHEDULE}, {steps} steps each)")
-    print(f"  recompute  peak activations, rank 0 / 1   step       loss after step {steps}")
+    print(f"  recompute  peak activations per rank      step       loss after step {steps}")
     for name, found in runs.items():
         print(f"  {name:<9}  {per_rank(found.peaks):<28}  {ms(found.step_seconds)}  {found.losses[-1]:.7f}")
     plain = runs["none"]
@@ -139,7 +139,7 @@ def bf16_flags() -> list[str]:
 def show_bf16(fp32: Run, bf16: Run) -> None:
     steps = len(fp32.losses)
     print("2. bf16 against fp32")
-    print(f"  dtype  bytes sent per step, rank 0 / 1   step       loss after step {steps}")
+    print(f"  dtype  bytes sent per step, per rank    step       loss after step {steps}")
     for name, found in (("fp32", fp32), ("bf16", bf16)):
         sent = " / ".join(f"{value:,} B" for value in found.sent)
         print(f"  {name:<5}  {sent:<29}  {ms(found.step_seconds)}  {found.losses[-1]:.7f}")
@@ -164,7 +164,7 @@ def show_bf16(fp32: Run, bf16: Run) -> None:
 
 
 def show_balance(runs: dict[str, Run], layers) -> None:
-    print(f"3. balanced stages: where each balance cuts the GPT ({SCHEDULE}), in MiB, rank 0 / 1")
+    print(f"3. balanced stages: where each balance cuts the GPT ({SCHEDULE}), in MiB per rank")
     print("  balance  rank 0 | rank 1            weights, grads, Adam  peak activations  together")
     for name, found in runs.items():
         cut = " | ".join(" ".join(held) for held in found.pieces)
@@ -191,17 +191,17 @@ def predict(layers, found: Run):
 
 def show_planner(runs: dict[str, Run], layers, samples: int) -> None:
     print(f"4. the planner beside the runs (each piece profiled here, micro-batches of {samples} sequences)")
-    print("  run                activations predicted / measured, rank 0 / 1")
+    plans = {name: predict(layers, found) for name, found in runs.items()}
+    print("  run                activations predicted / measured, per rank")
     for name, found in runs.items():
-        plan = predict(layers, found)
-        cells = []
-        for rank, measured in enumerate(found.peaks):
-            predicted = plan.memory[rank].activations
-            cells.append(f"{mib(predicted)} / {mib(measured)} MiB ({measured / predicted:.2f}x)")
+        cells = [
+            f"{mib(planned.activations)} / {mib(measured)} MiB ({measured / planned.activations:.2f}x)"
+            for planned, measured in zip(plans[name].memory, found.peaks, strict=True)
+        ]
         print(f"  {name:<17}  {'   '.join(cells)}")
     print("  run                step predicted / measured")
     for name, found in runs.items():
-        predicted = predict(layers, found).step_time
+        predicted = plans[name].step_time
         ratio = found.step_seconds / predicted
         print(f"  {name:<17}  {predicted * 1e3:.1f} / {ms(found.step_seconds).strip()} ({ratio:.2f}x)")
 
@@ -216,15 +216,19 @@ def profiled_layers(args: argparse.Namespace) -> tuple[list, int]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world = comms.init()
+    if world < 2:
+        raise SystemExit("lab 11 compares what stages hold and send: it needs 2 processes or more")
+    if rank == 0:
+        print(
+            f"Lab 11: a GPT of {args.layers} blocks x {args.dim} ({args.heads} heads, {args.seq_len}-byte "
+            f"sequences), batch {args.batch_size}, m = {args.microbatches}, on {world} stages\n",
+            flush=True,
+        )
     every = f"every-{args.every}"
     recompute = {name: run(args, recompute=name) for name in ("none", every, "full")}
     bf16 = run(args, dtype="bf16")
     balanced = {name: run(args, balance=name) for name in ("time", "memory")}
     if rank == 0:
-        print(
-            f"Lab 11: a GPT of {args.layers} blocks x {args.dim} ({args.heads} heads, {args.seq_len}-byte "
-            f"sequences), batch {args.batch_size}, m = {args.microbatches}, on {world} stages\n"
-        )
         layers, samples = profiled_layers(args)
         show_recompute(recompute)
         show_bf16(recompute["none"], bf16)
