@@ -193,3 +193,62 @@ def test_lab10_replicas_give_the_one_process_loss_and_the_pipeline_sends_what_th
     assert len(counted) == 2 and all(ours == formula for ours, formula in counted), counted
     sums = re.findall(r"^  rank \d: (?:[FB]\d )+.*\[dp sum", out, re.M)
     assert len(sums) == 4, "each rank of replica 0 sums its gradients after its backwards, with both engines"
+
+
+# --- lab 11: one run, checked twice. Its page quotes it (the page's block is `long:`, so the docs test
+# does not run the lab a second time), and its figures keep their relations. Timings are never compared.
+
+
+def run_lab11_as_its_page_quotes_it() -> str:
+    from pipeclock.app.docs_build import DOCS, check, read_blocks, run_command
+
+    (block,) = read_blocks(DOCS / "lab11-fitting.md")
+    ran = run_command(block.command)
+    check(block, ran)  # Mismatch: the page no longer shows what the lab prints
+    return ran.stdout
+
+
+def whole(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def check_recompute_keeps_less_and_computes_the_same(out: str) -> None:
+    rows = re.findall(r"^  (none|every-2|full) +([\d.]+) / ([\d.]+) MiB +[\d.]+ ms +([\d.]+)$", out, re.M)
+    assert [name for name, *_ in rows] == ["none", "every-2", "full"], out
+    peaks = {name: (float(rank0), float(rank1)) for name, rank0, rank1, _ in rows}
+    for rank in (0, 1):
+        assert peaks["full"][rank] < peaks["every-2"][rank] < peaks["none"][rank], peaks
+    assert len({loss for *_, loss in rows}) == 1, "the same last loss, to every printed digit"
+    gaps = re.findall(r"the losses of all 4 steps differ from none's by at most (\S+);", out)
+    assert len(gaps) == 2 and all(float(gap) <= 1e-6 for gap in gaps), gaps
+
+
+def check_bf16_sends_half_the_float_bytes(out: str) -> None:
+    rows = re.findall(r"^  (fp32|bf16) +([\d,]+) B / ([\d,]+) B ", out, re.M)
+    sent = {dtype: [whole(rank0), whole(rank1)] for dtype, rank0, rank1 in rows}
+    assert len(rows) == 2 and set(sent) == {"fp32", "bf16"}, out
+    assert sent["fp32"][1] == 2 * sent["bf16"][1], "the last rank sends float gradients only"
+    found = re.search(r"16 x 64 x 8 B = ([\d,]+) B; the rest is ([\d,]+) B -> ([\d,]+) B", out)
+    positions, fp32_rest, bf16_rest = map(whole, found.groups())
+    assert positions == 16 * 64 * 8 and fp32_rest == 2 * bf16_rest, "rank 0: int64 positions, halved floats"
+    assert sent["fp32"][0] == fp32_rest + positions and sent["bf16"][0] == bf16_rest + positions
+
+
+def check_the_planner_counts_the_meters_activations_without_recompute(out: str) -> None:
+    found = re.search(r"^  recompute none +([\d.]+) / ([\d.]+) MiB \S+ +([\d.]+) / ([\d.]+) MiB", out, re.M)
+    predicted_0, measured_0, predicted_1, measured_1 = map(float, found.groups())
+    assert (
+        abs(predicted_0 - measured_0) <= 0.02 * measured_0
+        and abs(predicted_1 - measured_1) <= 0.02 * measured_1
+    )
+
+
+@pytest.mark.slow
+def test_lab11_recompute_keeps_less_for_the_same_loss_bf16_halves_the_bytes_and_its_page_quotes_it():
+    out = run_lab11_as_its_page_quotes_it()
+    check_recompute_keeps_less_and_computes_the_same(out)
+    check_bf16_sends_half_the_float_bytes(out)
+    check_the_planner_counts_the_meters_activations_without_recompute(out)
+    cuts = re.findall(r"^  (layers|time|memory) +(embed .*? head)  ", out, re.M)
+    assert dict(cuts)["layers"] == "embed h0 h1 | h2 h3 head", "by count: three pieces each"
+    assert dict(cuts)["memory"].index("|") < dict(cuts)["layers"].index("|"), "rank 0 holds 2 micro-batches"
