@@ -163,7 +163,7 @@ def show_bf16(fp32: Run, bf16: Run) -> None:
 # --- 3. balanced stages --------------------------------------------------------------------------------
 
 
-def show_balance(runs: dict[str, Run], layers) -> None:
+def show_balance(runs: dict[str, Run], profiles: dict[str, list]) -> None:
     print(f"3. balanced stages: where each balance cuts the GPT ({SCHEDULE}), in MiB per rank")
     print("  balance  rank 0 | rank 1            weights, grads, Adam  peak activations  together")
     for name, found in runs.items():
@@ -174,24 +174,26 @@ def show_balance(runs: dict[str, Run], layers) -> None:
         print(f"  {name:<7}  {cut:<24}  {shown[0]:<20}  {shown[1]:<16}  {shown[2]}")
     print("  balance  step predicted by the simulator  measured")
     for name, found in runs.items():
-        print(f"  {name:<7}  {ms(predict(layers, found).step_time):<31}  {ms(found.step_seconds)}")
+        print(f"  {name:<7}  {ms(predict(profiles, found).step_time):<31}  {ms(found.step_seconds)}")
     print()
 
 
 # --- 4. the planner beside the runs --------------------------------------------------------------------
 
 
-def predict(layers, found: Run):
-    """The planner's plan for the configuration ``found`` ran: its schedule, dtype, recompute and cut."""
+def predict(profiles: dict[str, list], found: Run):
+    """The planner's plan for the configuration ``found`` ran: its schedule, dtype, recompute and cut,
+    from the pieces' costs profiled in its dtype."""
     config = found.config
+    layers = profiles[config.dtype]
     training = Training(config.dtype, "adam", Recompute.parse(config.recompute))
     stages = len(found.pieces)
     return judge(layers, SCHEDULE, stages, config.microbatches, training, cut=found.cut)
 
 
-def show_planner(runs: dict[str, Run], layers, samples: int) -> None:
+def show_planner(runs: dict[str, Run], profiles: dict[str, list], samples: int) -> None:
     print(f"4. the planner beside the runs (each piece profiled here, micro-batches of {samples} sequences)")
-    plans = {name: predict(layers, found) for name, found in runs.items()}
+    plans = {name: predict(profiles, found) for name, found in runs.items()}
     print("  run                activations predicted / measured, per rank")
     for name, found in runs.items():
         cells = [
@@ -206,11 +208,12 @@ def show_planner(runs: dict[str, Run], layers, samples: int) -> None:
         print(f"  {name:<17}  {predicted * 1e3:.1f} / {ms(found.step_seconds).strip()} ({ratio:.2f}x)")
 
 
-def profiled_layers(args: argparse.Namespace) -> tuple[list, int]:
-    """Every piece's measured costs, for one micro-batch: what ``pipeclock plan --model gpt`` measures."""
+def profiled_layers(args: argparse.Namespace) -> tuple[dict[str, list], int]:
+    """Every piece's measured costs for one micro-batch, in float32 and in bf16: what ``pipeclock plan
+    --model gpt --dtype ...`` measures."""
     gpt = GPTConfig(dim=args.dim, layers=args.layers, heads=args.heads, seq_len=args.seq_len, seed=args.seed)
     samples = math.ceil(args.batch_size / args.microbatches)
-    return profile(gpt_spec(gpt), samples), samples
+    return {dtype: profile(gpt_spec(gpt), samples, dtype=dtype) for dtype in ("fp32", "bf16")}, samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,13 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     bf16 = run(args, dtype="bf16")
     balanced = {name: run(args, balance=name) for name in ("time", "memory")}
     if rank == 0:
-        layers, samples = profiled_layers(args)
+        profiles, samples = profiled_layers(args)
         show_recompute(recompute)
         show_bf16(recompute["none"], bf16)
-        show_balance({"layers": recompute["none"], **balanced}, layers)
+        show_balance({"layers": recompute["none"], **balanced}, profiles)
         everything = {**{f"recompute {k}": v for k, v in recompute.items()}, "bf16": bf16}
         everything |= {f"balance {k}": v for k, v in balanced.items()}
-        show_planner(everything, layers, samples)
+        show_planner(everything, profiles, samples)
     comms.shutdown()
 
 

@@ -49,13 +49,15 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 30.0,
+    timeout: float = 120.0,
     deadline: float = 240.0,
     linger: bool = True,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return every rank's outcome.
 
-    ``timeout`` is given to ``comms.init`` (it bounds each blocking call); ``deadline`` bounds the whole
+    ``timeout`` is given to ``comms.init`` (it bounds each blocking call; generous by default, so that a
+    run expected to succeed does not fail on a busy machine: a test of timeouts gives its own short
+    one); ``deadline`` bounds the whole
     run, after which remaining processes are killed and marked hung. With ``linger`` a rank that
     finished waits for the others before leaving; without it, it leaves at once, as a process that
     caught an error would.

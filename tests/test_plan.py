@@ -252,17 +252,22 @@ def _gpt_peaks(rank, world, m, batch):
             pipe = Pipeline(chunks, schedule, m, TokenCrossEntropy(), recompute=policy)
             pipe.step(ids[:, :-1], ids[:, 1:])
             peaks[schedule, policy] = pipe.last.peak_activation_bytes
+        pipe = Pipeline(GPT.for_rank(config, rank, world), schedule, m, TokenCrossEntropy(), dtype="bf16")
+        pipe.step(ids[:, :-1], ids[:, 1:])
+        peaks[schedule, "bf16"] = pipe.last.peak_activation_bytes
     return peaks
 
 
 @pytest.mark.slow
-def test_recompute_lowers_the_measured_peak_on_a_gpt_as_the_planner_predicts():
+def test_recompute_and_bf16_lower_the_measured_peak_on_a_gpt_as_the_planner_predicts():
     from pipeclock.models.gpt import GPTConfig
     from pipeclock.observe.profile import gpt_spec
 
     torch.set_num_threads(1)
     m, batch = 4, 8
-    model = profile(gpt_spec(GPTConfig(**GPT_PLANNED)), samples=batch // m, repeats=1, warmup=0)
+    spec = gpt_spec(GPTConfig(**GPT_PLANNED))
+    model = profile(spec, samples=batch // m, repeats=1, warmup=0)
+    in_bf16 = profile(spec, samples=batch // m, repeats=1, warmup=0, dtype="bf16")
     per_rank = run_ok(_gpt_peaks, 2, m, batch)
     for schedule in ("1f1b", "zb-h1"):
         for policy in RECOMPUTE_MEASURED:
@@ -273,6 +278,11 @@ def test_recompute_lowers_the_measured_peak_on_a_gpt_as_the_planner_predicts():
             assert predicted == pytest.approx(measured, rel=0.10), (schedule, policy)
         rank0 = per_rank[0]
         assert rank0[schedule, "full"] < rank0[schedule, "every-2"] < rank0[schedule, "none"]
+        # bf16: what autocast saves, measured by a profile under autocast (not half of float32's)
+        plan = judge(in_bf16, schedule, 2, m, Training(dtype="bf16"), simulated=False)
+        measured = [peaks[schedule, "bf16"] for peaks in per_rank]
+        assert [rank.activations for rank in plan.memory] == pytest.approx(measured, rel=0.10), schedule
+        assert all(peaks[schedule, "bf16"] < peaks[schedule, "none"] for peaks in per_rank)
 
 
 def test_a_measured_model_is_planned_and_its_memory_drawn(monkeypatch, capsys, tmp_path):

@@ -55,4 +55,5 @@ def _measured_cut(config, num_virtual: int, table) -> list[range]:
     else:
         spec = mlp_spec(config.hidden, config.layers, config.seed)
     samples = math.ceil(config.batch_size / config.dp / config.microbatches)  # one replica's micro-batch
-    return cut_for(profile(spec, samples), num_virtual, config.balance, Training(), table)
+    training = Training(dtype=config.dtype)
+    return cut_for(profile(spec, samples, dtype=config.dtype), num_virtual, config.balance, training, table)

@@ -104,7 +104,7 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
         layers = args.layers or 16
         _at_least_one(layers, "--layers")
         spec = mlp_spec(args.hidden, layers)
-    measured = profile(spec, batch)  # the whole batch: scaled to each micro-batch size
+    measured = profile(spec, batch, dtype=args.dtype)  # the whole batch: scaled to each micro-batch size
     note = f"layers measured here on {args.threads} thread(s), batch {batch}"
     return PlannedModel(spec.name, measured, batch, "ms", note, time_scale=1e3)
 

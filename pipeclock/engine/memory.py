@@ -61,13 +61,7 @@ class ActivationMeter:
         self._bytes[key] = self._distinct_bytes(saved + located)
 
     def _is_parameter_cast(self, tensor: torch.Tensor) -> bool:
-        """A parameter in autocast's compute dtype (or a view of one): the model, not an activation."""
-        base = tensor if tensor._base is None else tensor._base
-        node = base.grad_fn
-        if node is None or node.name() != "ToCopyBackward0":
-            return False
-        source = node.next_functions[0][0]
-        return id(getattr(source, "variable", None)) in self._parameter_ids
+        return is_parameter_cast(tensor, self._parameter_ids)
 
     def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
         """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
@@ -95,3 +89,16 @@ class ActivationMeter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def is_parameter_cast(tensor: torch.Tensor, parameter_ids: set[int]) -> bool:
+    """A parameter in autocast's compute dtype (or a view of one): the model, not an activation.
+
+    ``parameter_ids`` are the ``id`` of the float32 parameters the cast may come from.
+    """
+    base = tensor if tensor._base is None else tensor._base
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    source = node.next_functions[0][0]
+    return id(getattr(source, "variable", None)) in parameter_ids

@@ -19,8 +19,9 @@ Modelled beyond what the engine measures today:
   what the profile measured it to keep when checkpointed (its input, for a GPT block). A checkpointed
   span runs its forward again in its backward and holds its activations meanwhile: working memory of
   that backward (the meter leaves it out, the resident memory does not);
-- bf16 (autocast): activations and messages take half the bytes; the fp32 master weights, gradients
-  and optimizer state stay as they are.
+- bf16 (autocast): the fp32 master weights, gradients and optimizer state stay as they are; the
+  activations are what a profile under autocast measured (``profile(..., dtype="bf16")``), or half the
+  float32 profile's, an estimate (autocast keeps some saved tensors in float32); messages travel in bf16.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
     """A stage of ``layers`` (consecutive), one micro-batch, by the meter's rule: its input and output
     (stashed by the engine), what each layer saves, and each inner boundary once if either side keeps it.
     """
-    scale = ACTIVATION_SCALE[training.dtype]
+    scale = activation_scale(layers, training)
     recompute = training.recompute
     total = layers[0].input_bytes + layers[-1].output_bytes
     if recompute.full:  # one checkpoint: it keeps the stage's input, already counted
@@ -186,6 +187,14 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
         unmetered=round(sum(layer.unmetered for layer in layers) * scale),
         workspace=round(max(layer.workspace for layer in layers) * scale),
     )
+
+
+def activation_scale(layers: Sequence[LayerCost], training: Training) -> float:
+    """How the layers' measured activation bytes become ``training.dtype``'s: 1 when they were measured in
+    it (a profile under autocast), else the ratio of the dtypes' sizes (a float32 profile planned for
+    bf16: every activation halved, an estimate, since autocast keeps some tensors in float32)."""
+    measured = layers[0].dtype
+    return ACTIVATION_SCALE[training.dtype] / ACTIVATION_SCALE[measured]
 
 
 def _inner_bytes(layers: Sequence[LayerCost], checkpointed: Sequence[bool]) -> int:
@@ -302,7 +311,7 @@ def rank_memory(
     """Each rank's memory for ``table`` (a schedule with its placement) on the model cut by ``cut``."""
     placement = placement_of(table)
     stages = [stage_bytes([layers[i] for i in part], training) for part in cut]
-    scale = ACTIVATION_SCALE[training.dtype]
+    scale = activation_scale(layers, training)
     result = []
     for rank, actions in enumerate(table):
         virtual = placement.stages[rank]

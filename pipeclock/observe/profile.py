@@ -35,6 +35,8 @@ from pipeclock.engine.backward import (
     held_tensors,
 )
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.memory import is_parameter_cast
+from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import apply_recompute
 from pipeclock.models.gpt import GPTConfig, build_piece, piece_name
 from pipeclock.models.mlp import ShardedMLP
@@ -75,6 +77,7 @@ class LayerCost:
     # (None: as without recompute); measured, because what stays outside the checkpoint depends on the
     # module (ShardedMLP's ReLU runs after its checkpointed Linear and still saves its output)
     checkpointed: tuple[int, int, int] | None = None  # (held, keeps_input, keeps_output)
+    dtype: str = "fp32"  # the compute dtype it was measured in (``--dtype``): its sizes and times are its
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -154,11 +157,18 @@ def gpt_spec(config: GPTConfig) -> ModelSpec:
     )
 
 
-def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) -> list[LayerCost]:
+def profile(
+    spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2, dtype: str = "fp32"
+) -> list[LayerCost]:
     """Every layer's costs for micro-batches of ``samples`` samples, each kind of layer measured once,
     one layer alive at a time: the least time of ``repeats`` runs after ``warmup`` runs (on a shared
     machine noise only ever adds time, and the cut needs the layers' costs relative to each other).
+
+    With ``dtype="bf16"`` the forwards run under autocast, as the engine runs them: what a layer saves
+    is then partly bf16 and partly float32 (what autocast keeps in float32), which no fixed ratio of the
+    float32 sizes predicts, and the times are bf16's.
     """
+    precision = parse_precision(dtype)
     inputs, targets = spec.batch(samples)
     measured: dict[str, LayerCost] = {}
     flowing = inputs
@@ -168,35 +178,43 @@ def profile(spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2) ->
             continue
         layer = spec.build(index)
         last = index == spec.num_layers - 1
-        flowing_in = flowing
-        cost, flowing = _measure(
-            layer, flowing, targets if last else None, spec.loss_fn, index == 0, repeats, warmup
-        )
-        checkpointed = _checkpointed_saves(
-            layer, flowing_in, targets if last else None, spec.loss_fn, index == 0
-        )
-        measured[kind] = replace(cost, kind=kind, samples=samples, checkpointed=checkpointed)
+        feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision)
+        cost, flowing = _measure(layer, feed, repeats, warmup)
+        checkpointed = _checkpointed_saves(layer, feed)
+        measured[kind] = replace(cost, kind=kind, samples=samples, checkpointed=checkpointed, dtype=dtype)
         del layer
     return [replace(measured[spec.kind(i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
+
+
+@dataclass(frozen=True)
+class _Feed:
+    """What a layer is run on: its input, the targets (for the last layer, which computes the loss), the
+    loss, whether it is the model's first layer (whose input wants no gradient), and the precision."""
+
+    given: object
+    targets: object
+    loss_fn: Callable
+    first: bool
+    precision: Precision
 
 
 Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
 
 
-def _measure(layer: nn.Module, given, targets, loss_fn, first: bool, repeats: int, warmup: int):
+def _measure(layer: nn.Module, feed: _Feed, repeats: int, warmup: int):
     """One layer's costs, and its output (detached) to feed the next kind of layer."""
     capture = ParameterOutputs([layer])
     parameters = {p.data_ptr() for p in layer.parameters()}
     samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
     for run in range(warmup + repeats):
         for split in (False, True):
-            timed = _one_pass(layer, given, targets, loss_fn, capture, first, split, accumulate=True)
+            timed = _one_pass(layer, feed, capture, split, accumulate=True)
             if run >= warmup:
                 for op in samples.keys() & timed.times.keys():
                     samples[op].append(timed.times[op])
     layer.zero_grad(set_to_none=True)
-    peak = _one_pass(layer, given, targets, loss_fn, capture, first, split=False).times["peak"]
-    record = _one_pass(layer, given, targets, loss_fn, capture, first, split=True)
+    peak = _one_pass(layer, feed, capture, split=False).times["peak"]
+    record = _one_pass(layer, feed, capture, split=True)
     sizes = _sizes(record, parameters)
     gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
     kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
@@ -234,25 +252,19 @@ class _Pass:
 
 
 def _one_pass(
-    layer,
-    given,
-    targets,
-    loss_fn,
-    capture: ParameterOutputs,
-    first: bool,
-    split: bool,
-    accumulate: bool = False,
+    layer: nn.Module, feed: _Feed, capture: ParameterOutputs, split: bool, accumulate: bool = False
 ) -> _Pass:
     """F, then B (or I and W when ``split``), timed.
 
     A received input is a fresh leaf that wants its gradient, as in the engine; the model's own input
-    (``first``) wants none. With ``accumulate`` the backward adds into the gradients already there, as
+    (``feed.first``) wants none. With ``accumulate`` the backward adds into the gradients already there, as
     every micro-batch but a step's first does in the engine: for a wide layer that read-add-write of
     the whole gradient costs as much as a third of the backward. Without it the gradients start empty
     (the memory is measured so, from nothing) and are dropped after.
     """
-    wants_grad = (lambda t: False) if first else pytree.carries_gradient
-    fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, given)
+    wants_grad = (lambda t: False) if feed.first else pytree.carries_gradient
+    fed = pytree.tree_map(lambda t: t.detach().clone().requires_grad_() if wants_grad(t) else t, feed.given)
+    parameter_ids = {id(p) for p in layer.parameters()}
     inputs = [leaf for leaf in pytree.gradient_leaves(fed) if leaf.requires_grad]
     saved: list[tuple[int, int]] = []
     loss_saved: list[tuple[int, int]] = []
@@ -260,6 +272,10 @@ def _one_pass(
 
     def into(found: list[tuple[int, int]], tensors: list[torch.Tensor] | None = None):
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if is_parameter_cast(
+                tensor, parameter_ids
+            ):  # a bf16 copy of a weight: the model, as for the meter
+                return tensor
             found.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
             if tensors is not None:
                 tensors.append(tensor.detach())
@@ -271,12 +287,13 @@ def _one_pass(
         layer.zero_grad(set_to_none=True)
     base = _memory.start()
     start = _now()
-    with into(saved, kept), capture.capture() as captured:
+    autocast = feed.precision.autocast(torch.device("cpu"))
+    with into(saved, kept), capture.capture() as captured, autocast:
         output = layer(fed)
     kept += [t for c in captured for t in (c.input, c.output) if t is not None]
-    if targets is not None:
-        with into(loss_saved):
-            roots, grads = [loss_fn(output, targets)], None
+    if feed.targets is not None:
+        with into(loss_saved), feed.precision.autocast(torch.device("cpu")):
+            roots, grads = [feed.loss_fn(feed.precision.for_loss(output), feed.targets)], None
     else:
         roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
         grads = [torch.ones_like(leaf) for leaf in roots]
@@ -296,16 +313,16 @@ def _one_pass(
         times["peak"] = _memory.peak() - base
     if not accumulate:
         layer.zero_grad(set_to_none=True)
-    given_targets = pytree.leaves(targets) if targets is not None else []
+    given_targets = pytree.leaves(feed.targets) if feed.targets is not None else []
     return _Pass(output, pytree.leaves(fed), saved, loss_saved, given_targets, kept, held, times)
 
 
-def _checkpointed_saves(layer: nn.Module, given, targets, loss_fn, first: bool) -> tuple[int, int, int]:
+def _checkpointed_saves(layer: nn.Module, feed: _Feed) -> tuple[int, int, int]:
     """What ``layer`` saves in its forward once the engine checkpoints it as one block (``every-1``):
     (held, keeps_input, keeps_output). Done last: the checkpoint wraps the layer in place."""
     apply_recompute([layer], "every-1")
     parameters = {p.data_ptr() for p in layer.parameters()}
-    record = _one_pass(layer, given, targets, loss_fn, ParameterOutputs([layer]), first, split=False)
+    record = _one_pass(layer, feed, ParameterOutputs([layer]), split=False)
     sizes = _sizes(record, parameters)
     return sizes["held"], sizes["keeps_input"], sizes["keeps_output"]
 
