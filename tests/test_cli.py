@@ -100,7 +100,8 @@ def test_every_option_of_every_command_says_what_it_does_and_its_default(name):
     for action in command_parser(name)._actions:
         assert action.help, f"pipeclock {name} {action.dest} has no help"
         if shows_default(action):
-            assert "default" in formatter._get_help_string(action).lower(), f"{name} {action.dest}"
+            text = formatter._get_help_string(action).lower()
+            assert "default" in text or "required" in text, f"pipeclock {name} {action.dest}"
 
 
 def test_train_help_shows_defaults_and_that_stages_are_processes(command):

@@ -52,15 +52,20 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def _print_message(self, message: str, file=None) -> None:
+        """Under torchrun every rank reads the same command line: rank 0 alone shows its help or error."""
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Like ``ArgumentDefaultsHelpFormatter``, but a help text that already speaks of its default keeps
-    its own words (``default 8, fewer if ...``), an unset option says ``none`` and on/off flags say
-    nothing (absent means off)."""
+    """Like ``ArgumentDefaultsHelpFormatter``, but a help text that already speaks of its default (or
+    says the option is required) keeps its own words (``default 8, fewer if ...``), an unset option says
+    ``none`` and on/off flags say nothing (absent means off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not shows_default(action) or "default" in text.lower():
+        if not shows_default(action) or "default" in text.lower() or "required" in text.lower():
             return text
         shown = "none" if action.default is None else "%(default)s"
         return f"{text} (default: {shown})"

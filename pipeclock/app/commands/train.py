@@ -218,7 +218,7 @@ def _interrupted(code: int, steps: StepsSeen) -> int:
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: StepsSeen) -> int:
     rank, world = comms.init(timeout=config.timeout)
     boss = rank == 0
-    if boss:
+    if boss and world % config.dp == 0:  # else train() refuses the layout, and the headline would be nonsense
         print(_headline(config, world), flush=True)
         if _restarts_share_a_store():
             print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
