@@ -52,6 +52,7 @@ def command(monkeypatch, capsys):
         (["train", "--timeout", "-1"], "argument --timeout: must be a number > 0, got -1"),
         (["train", "--timeout", "nan"], "argument --timeout: must be a number > 0, got nan"),
         (["train", "--lr=-0.1"], "argument --lr: must be a number > 0, got -0.1"),
+        (["train", "--lr", "-1e-3"], "argument --lr: must be a number > 0, got -1e-3"),
         (["train", "--dropout", "1"], "argument --dropout: must be a number in [0, 1), got 1"),
         (["train", "--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
         (

@@ -176,13 +176,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     steps = StepsSeen()
     try:
+        return _run_reporting_errors(args, steps)
+    except KeyboardInterrupt as interrupt:  # also one raised while an error was being reported
+        return _interrupted(interrupts.exit_code(interrupt), steps)
+    finally:
+        comms.shutdown()
+
+
+def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
+    try:
         config = TrainConfig.from_args(args)
         for name, option in OUTPUTS.items():
             if getattr(args, name):
                 check_output(getattr(args, name), option, folder=name == "checkpoint_dir")
         return _train_and_report(config, args, steps)
-    except KeyboardInterrupt as interrupt:
-        return _interrupted(interrupts.exit_code(interrupt), steps)
     except Exception as error:
         if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
             return _interrupted(128 + interrupts.received(), steps)
@@ -190,8 +197,6 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1
-    finally:
-        comms.shutdown()
 
 
 class StepsSeen:
