@@ -75,4 +75,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"$ {shown}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    return _wait(subprocess.Popen(cmd, env=env))
+
+
+def _wait(lab: subprocess.Popen) -> int:
+    """The lab's exit code. Ctrl-C reaches the lab (and its torchrun) too: let it end in its own way
+    rather than killing it halfway, which would leave torchrun's ranks behind."""
+    try:
+        return lab.wait()
+    except KeyboardInterrupt:
+        try:
+            lab.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            lab.kill()
+        raise
