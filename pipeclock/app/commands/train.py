@@ -1,7 +1,9 @@
 """``torchrun --nproc-per-node N -m pipeclock train [...]``: the main job.
 
 The number of stages is the number of processes torchrun starts. Rank 0 prints the progress, then the
-run's measurements, and the last line is ``final loss <value> after <N> steps``.
+run's measurements, and the last line is ``final loss <value> after <N> steps``. The outputs it names
+(``--png``, ``--trace``, ...) are checked before the first step, so a bad path costs no training; Ctrl-C
+(or the SIGTERM torchrun sends) ends each rank with one line, ``rank 1: interrupted at step 3``.
 
 With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
 checkpoint there, so ``torchrun --max-restarts K ... --resume`` survives a rank that dies: the survivors
