@@ -107,7 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
-    except ValueError as error:
+    except BrokenPipeError:
+        raise  # a closed output: the command line ends quietly
+    except (ValueError, OSError) as error:
         print(f"pipeclock plan: error: {error}", file=sys.stderr)
         return 2
 

@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
             if path:
                 check_output(path, option)
         return _compare(args) if args.compare else _show_one(args)
-    except (ValueError, DeadlockError) as error:
+    except BrokenPipeError:
+        raise  # a closed output: the command line ends quietly
+    except (ValueError, OSError, DeadlockError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"pipeclock schedule: error: {first_line}", file=sys.stderr)
         return 2

@@ -45,6 +45,8 @@ DESCRIPTION = (
     "torchrun --nproc-per-node P -m pipeclock train runs P stages, or with --dp N, N replicas of P/N "
     "stages each (P processes in all). Without torchrun it runs the whole model as one stage in one process."
 )
+# What can go wrong with a run's input, its peers or its files: one line each, no traceback.
+EXPECTED_ERRORS = (ValueError, OSError, comms.CommError, CheckpointError, CorpusError)
 # What a run writes, and where the command line names it: all checked before the first step.
 OUTPUTS = {"trace": "--trace", "png": "--png", "losses": "--losses", "checkpoint_dir": "--checkpoint-dir"}
 
@@ -195,8 +197,8 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
     except Exception as error:
         if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
             return _interrupted(128 + interrupts.received(), steps)
-        if not isinstance(error, (ValueError, comms.CommError, CheckpointError, CorpusError)):
-            raise
+        if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
+            raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1
 
