@@ -116,6 +116,7 @@ def test_train_help_shows_defaults_and_that_stages_are_processes(command):
 def test_a_labs_help_is_printed_once(capfd, monkeypatch):
     """lab 4 runs on two processes; its --help needs none, and used to be printed by each."""
     monkeypatch.setattr(sys, "argv", ["pipeclock"])
+    monkeypatch.chdir(ROOT)  # the command is shown relative to here
     assert main(["lab", "4", "--help"]) == 0
     out = capfd.readouterr().out
     assert out.startswith("$ python labs/04_naive.py --help\n")
