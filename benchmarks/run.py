@@ -23,6 +23,7 @@ from pathlib import Path
 from benchmarks import figures, plan, report
 from benchmarks.launch import ROOT, torchrun
 from benchmarks.results_model import Results, Run
+from pipeclock.app.arguments import positive_float, positive_int
 
 PLANS = {
     "full": plan.full,
@@ -54,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the engine overhead",
     )
     parser.set_defaults(plan="full")
-    parser.add_argument("--runs", type=int, default=1, help="repeat the sweep; cells show median [low–high]")
+    parser.add_argument(
+        "--runs", type=positive_int, default=1, help="repeat the sweep; cells show median [low–high]"
+    )
     parser.add_argument("--name", help="results file name (default: the plan's name)")
     parser.add_argument(
         "--results-dir",
@@ -67,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-figures", action="store_true", help="write no plots")
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-action overhead measurement")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one torchrun launch may take")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=1800.0, help="seconds one torchrun launch may take"
+    )
     parser.add_argument(
         "--from-json",
         type=Path,

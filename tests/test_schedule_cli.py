@@ -74,12 +74,12 @@ def test_png_draws_the_single_schedule(schedule_command, tmp_path):
     ("args", "complaint"),
     [
         (["pipedream", "-p", "2", "-m", "2"], "unknown schedule 'pipedream'; known schedules: naive"),
-        (["1f1b", "-p", "two", "-m", "2"], "--stages must be a whole number >= 1, got 'two'"),
-        (["1f1b", "-p", "2", "-m", "0"], "--microbatches must be a whole number >= 1, got 0"),
+        (["1f1b", "-p", "two", "-m", "2"], "argument --stages/-p: must be a positive integer, got 'two'"),
+        (["1f1b", "-p", "2", "-m", "0"], "argument --microbatches/-m: must be a positive integer, got 0"),
         (["1f1b", "-m", "2"], "--stages is required"),
         (["gpipe", "-p", "2", "-m", "2", "--chunks", "2"], "one chunk per rank"),
         (["1f1b", "-p", "2", "-m", "2", "--costs", "1,2"], "--costs must be three numbers"),
-        (["1f1b", "-p", "2", "-m", "2", "--latency", "-1"], "--latency must be a number >= 0"),
+        (["1f1b", "-p", "2", "-m", "2", "--latency", "-1"], "argument --latency: must be a number >= 0"),
         (["-p", "2", "-m", "2"], "name a schedule"),
     ],
 )

@@ -1,7 +1,8 @@
 """The command line: ``python -m pipeclock <command> ...`` (and ``torchrun ... -m pipeclock train ...``).
 
-Each command lives in ``pipeclock/app/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``;
-it is imported only when chosen, so ``pipeclock schedule`` starts without touching torch.distributed.
+Each command lives in ``pipeclock/app/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args)``
+(and, if it has more to say than its line below, a ``DESCRIPTION`` for its ``--help``); it is imported
+only when chosen, so ``pipeclock schedule`` starts without touching torch.distributed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import argparse
 import importlib
 import os
 import sys
+
+from pipeclock.app.arguments import DefaultsHelpFormatter, Parser
+from pipeclock.app.interrupts import exit_code, signals_caught
 
 COMMANDS: dict[str, str] = {
     "train": "train a ShardedMLP or a GPT with pipeline parallelism (the main job; launch with torchrun)",
@@ -23,17 +27,22 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command listed, only the chosen one's options built (and imported)."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="pipeclock",
         description="Pipeline-parallel training for PyTorch, and the course that teaches it.",
+        formatter_class=DefaultsHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    chosen = sys.argv[1] if len(sys.argv) > 1 else None
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    chosen = argv[0] if argv else None
     for name, help_text in COMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            _command_module(name).add_arguments(sub)
+        module = _command_module(name) if name == chosen else None
+        description = getattr(module, "DESCRIPTION", help_text)
+        sub = commands.add_parser(name, help=help_text, description=description)
+        if module is not None:
+            module.add_arguments(sub)
     return parser
 
 
@@ -42,14 +51,30 @@ def _command_module(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code. A closed output pipe ends it quietly, Ctrl-C with one line."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    args = build_parser().parse_args(sys.argv[1:])
-    try:
-        return int(_command_module(args.command).run(args) or 0)
-    except BrokenPipeError:  # `pipeclock schedule ... | head` closed our output: nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        print(f"pipeclock {args.command}: interrupted", file=sys.stderr)
-        return 130
+    argv = sys.argv[1:]
+    with signals_caught():
+        try:
+            args = build_parser(argv).parse_args(argv)
+            code = int(_command_module(args.command).run(args) or 0)
+            sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+            return code
+        except SystemExit as done:  # --help shown, a bad command line reported, or a command's own exit
+            return _exit_code(done)
+        except BrokenPipeError:  # `pipeclock schedule ... | head` closed our output: nothing more to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt as interrupt:
+            prog = " ".join(["pipeclock", *argv[:1]]) if argv and argv[0] in COMMANDS else "pipeclock"
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return exit_code(interrupt)
+
+
+def _exit_code(done: SystemExit) -> int:
+    """What ``sys.exit`` would make of ``done``, returned instead: ``main`` can be called in-process."""
+    if isinstance(done.code, str):
+        print(done.code, file=sys.stderr)
+        return 1
+    return int(done.code or 0)

@@ -11,6 +11,7 @@ quotes a command is described in ``pipeclock/app/docs_build.py``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not sorted(args.docs.glob("*.md")):
+        print(f"pipeclock docs: error: --docs {args.docs}: no pages (*.md) there", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     try:
         outcomes = build(args.docs, quick=args.quick)

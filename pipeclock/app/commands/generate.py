@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from pipeclock.app import checkpoint
+from pipeclock.app.arguments import non_negative_float, non_negative_int
 from pipeclock.models.registry import describe
 from pipeclock.models.sampling import sample
 from pipeclock.models.text import ByteTokenizer
@@ -18,12 +19,14 @@ from pipeclock.models.text import ByteTokenizer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="a --checkpoint-dir of `train --model gpt`, or one step_NNNNNN")
     parser.add_argument("--prompt", default="def ", help="the text to continue (default: %(default)r)")
-    parser.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: %(default)s)")
+    parser.add_argument("--tokens", type=non_negative_int, default=200, help="bytes to generate")
     parser.add_argument(
-        "--temperature", type=float, default=0.8, help="0 takes the likeliest byte (default: %(default)s)"
+        "--temperature", type=non_negative_float, default=0.8, help="0 takes the likeliest byte"
     )
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
+    parser.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="sample among the k likeliest (0: all)"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="the sampling seed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,9 +52,3 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("--prompt must hold at least one character")
-    if args.tokens < 0:
-        raise ValueError(f"--tokens must be >= 0, got {args.tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")

@@ -15,13 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeclock.app.arguments import Parser, positive_int
+
 LABS_DIR = Path(__file__).resolve().parents[3] / "labs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("number", type=int, help="which lab (1, 2, ...)")
+    parser.add_argument("number", type=positive_int, help="which lab (1, 2, ...)")
     parser.add_argument(
-        "--nproc", type=int, metavar="N", help="processes for torchrun (default: the lab's PROCESSES)"
+        "--nproc",
+        type=positive_int,
+        metavar="N",
+        help="processes for torchrun (default: the lab's PROCESSES)",
     )
     parser.add_argument("lab_args", nargs=argparse.REMAINDER, help="arguments passed on to the lab")
 
@@ -30,7 +35,7 @@ def find_lab(number: int) -> Path:
     found = sorted(LABS_DIR.glob(f"{number:02d}_*.py"))
     if not found:
         known = ", ".join(p.stem for p in sorted(LABS_DIR.glob("[0-9][0-9]_*.py"))) or "none"
-        raise SystemExit(f"pipeclock lab: no lab {number} in {LABS_DIR} (labs: {known})")
+        raise SystemExit(f"pipeclock lab: error: no lab {number} in {LABS_DIR} (labs: {known})")
     return found[0]
 
 
@@ -41,8 +46,8 @@ def processes(lab: Path) -> int:
 
 def take_nproc(lab_args: list[str]) -> tuple[int | None, list[str]]:
     """``--nproc N`` written after the lab's number belongs to the launcher, not to the lab."""
-    launcher = argparse.ArgumentParser(prog="pipeclock lab", add_help=False, allow_abbrev=False)
-    launcher.add_argument("--nproc", type=int)
+    launcher = Parser(prog="pipeclock lab", add_help=False, allow_abbrev=False)
+    launcher.add_argument("--nproc", type=positive_int)
     known, rest = launcher.parse_known_args(lab_args)
     return known.nproc, rest
 
@@ -64,8 +69,23 @@ def run(args: argparse.Namespace) -> int:
     lab = find_lab(args.number)
     nproc_after, lab_args = take_nproc(args.lab_args)
     nproc = next((n for n in (nproc_after, args.nproc) if n is not None), processes(lab))
+    if {"-h", "--help"} & set(lab_args):
+        nproc = 1  # the lab's help needs no process group, and would be printed once per process
     cmd, shown = command(lab, lab_args, nproc)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    return _wait(subprocess.Popen(cmd, env=env))
+
+
+def _wait(lab: subprocess.Popen) -> int:
+    """The lab's exit code. Ctrl-C reaches the lab (and its torchrun) too: let it end in its own way
+    rather than killing it halfway, which would leave torchrun's ranks behind."""
+    try:
+        return lab.wait()
+    except KeyboardInterrupt:
+        try:
+            lab.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            lab.kill()
+        raise

@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 
+from pipeclock.app.arguments import check_output, positive_int
 from pipeclock.observe.planner import (
     BALANCES,
     OPTIMIZER_STATE_BYTES,
@@ -57,14 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model", choices=("mlp", "gpt"), default="mlp", help="a built-in model, measured here"
     )
-    model.add_argument("--layers", type=int, help="Linear layers (default 16) or GPT blocks (default 4)")
-    model.add_argument("--hidden", type=int, default=1024, help="the MLP's width")
-    model.add_argument("--dim", type=int, default=128, help="the GPT's width")
-    model.add_argument("--heads", type=int, default=4, help="the GPT's attention heads")
-    model.add_argument("--seq-len", type=int, default=128, help="the GPT's tokens per sample")
-    model.add_argument("--vocab", type=int, default=256, help="the GPT's vocabulary (256: bytes)")
     model.add_argument(
-        "--batch-size", type=int, help="samples per step (default 128 for mlp and --params, 16 for gpt)"
+        "--layers", type=positive_int, help="Linear layers (default 16) or GPT blocks (default 4)"
+    )
+    model.add_argument("--hidden", type=positive_int, default=1024, help="the MLP's width")
+    model.add_argument("--dim", type=positive_int, default=128, help="the GPT's width")
+    model.add_argument("--heads", type=positive_int, default=4, help="the GPT's attention heads")
+    model.add_argument("--seq-len", type=positive_int, default=128, help="the GPT's tokens per sample")
+    model.add_argument("--vocab", type=positive_int, default=256, help="the GPT's vocabulary (256: bytes)")
+    model.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="samples per step (default 128 for mlp and --params, 16 for gpt)",
     )
     run = parser.add_argument_group("the training")
     run.add_argument(
@@ -90,15 +95,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatches", "-m", metavar="LIST",
         help="micro-batch counts to try (default 1,2,4,8,16,32, at most the batch size)",
     )  # fmt: skip
-    grid.add_argument("--top", type=int, default=5, help="how many configurations to list (default 5)")
-    grid.add_argument("--threads", type=int, default=1, help="threads while measuring layers (default 1)")
+    grid.add_argument(
+        "--top", type=positive_int, default=5, help="how many configurations to list (default 5)"
+    )
+    grid.add_argument(
+        "--threads", type=positive_int, default=1, help="threads while measuring layers (default 1)"
+    )
     parser.add_argument("--png", metavar="FILE", help="also draw the memory per rank into this PNG file")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _plan(args)
-    except ValueError as error:
+    except BrokenPipeError:
+        raise  # a closed output: the command line ends quietly
+    except (ValueError, OSError) as error:
         print(f"pipeclock plan: error: {error}", file=sys.stderr)
         return 2
 
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from pipeclock.app.plan_models import describe_model, model_layers
 
+    if args.png:
+        check_output(args.png, "--png")
     device = _device_memory(args.device_memory)
     binary = args.device_memory.strip().lower().endswith("ib")
     recomputes = [Recompute.parse(text) for text in _list(args.recompute, "--recompute")]

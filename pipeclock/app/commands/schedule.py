@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from pipeclock.app.arguments import check_output, non_negative_float, positive_int
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv, save_csv
 from pipeclock.engine.generators import (
@@ -36,12 +38,19 @@ class UsageError(ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", help=f"the schedule: {', '.join(SCHEDULES)}")
     parser.add_argument("--compare", action="store_true", help="simulate every schedule, side by side")
-    parser.add_argument("--stages", "-p", metavar="P", help="pipeline stages, one per rank (required)")
-    parser.add_argument("--microbatches", "-m", metavar="M", help="micro-batches per step (required)")
+    parser.add_argument(
+        "--stages", "-p", metavar="P", type=positive_int,
+        help="pipeline stages, one per rank (required, unless --schedule-csv gives them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--microbatches", "-m", metavar="M", type=positive_int,
+        help="micro-batches per step (required, unless --schedule-csv gives them)",
+    )  # fmt: skip
     parser.add_argument(
         "--chunks",
         "-v",
         metavar="V",
+        type=positive_int,
         help=f"model chunks per rank, for interleaved schedules (default {DEFAULT_CHUNKS} for those, else 1)",
     )
     parser.add_argument(
@@ -56,14 +65,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "named one; its ranks, micro-batches and placement come from the file",
     )  # fmt: skip
     parser.add_argument("--save-csv", metavar="FILE", help="also write the schedule in that CSV format")
-    parser.add_argument("--latency", metavar="L", default="0", help="time each hop between ranks takes")
+    parser.add_argument(
+        "--latency", metavar="L", type=non_negative_float, default=0.0,
+        help="time each hop between ranks takes, in stage forwards",
+    )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the timeline into this PNG file")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        for option, path in (("--png", args.png), ("--save-csv", args.save_csv)):
+            if path:
+                check_output(path, option)
         return _compare(args) if args.compare else _show_one(args)
-    except (ValueError, DeadlockError) as error:
+    except BrokenPipeError:
+        raise  # a closed output: the command line ends quietly
+    except (ValueError, OSError, DeadlockError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"pipeclock schedule: error: {first_line}", file=sys.stderr)
         return 2
@@ -72,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
 def _show_one(args: argparse.Namespace) -> int:
     name, schedule = _chosen(args)
     p, m, chunks = len(schedule), _microbatches(schedule), num_chunks(schedule)
-    timeline = _simulate(schedule, _costs(args.costs), _latency(args.latency))
+    timeline = _simulate(schedule, _costs(args.costs), args.latency)
     print(_header(name, p, m, chunks, placement_of(schedule).name))
     print(ascii_diagram(timeline))
     print()
     print(_summary(name, p, m, chunks, timeline))
     if args.save_csv:
+        Path(args.save_csv).parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {save_csv(schedule, args.save_csv)}")
     if args.png:
         print(f"drew {draw_png(timeline, args.png, title=name)}")
@@ -93,14 +111,14 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
         checks = [("--stages", args.stages, len(schedule))]
         checks.append(("--microbatches", args.microbatches, _microbatches(schedule)))
         for option, given, found in checks:
-            if given is not None and _count(given, option) != found:
+            if given is not None and given != found:
                 raise UsageError(f"{args.schedule_csv} has {found} for {option}, not {given}")
         return args.schedule_csv, schedule
     if not args.name:
         raise UsageError(
             "name a schedule (one of " + ", ".join(SCHEDULES) + "), give --schedule-csv, or pass --compare"
         )
-    p, m = _count(args.stages, "--stages"), _count(args.microbatches, "--microbatches")
+    p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
     return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
 
 
@@ -111,9 +129,9 @@ def _microbatches(schedule: Schedule) -> int:
 def _compare(args: argparse.Namespace) -> int:
     if args.name:
         raise UsageError("--compare simulates every schedule; do not name one")
-    p, m = _count(args.stages, "--stages"), _count(args.microbatches, "--microbatches")
-    chunks = _count(args.chunks, "--chunks") if args.chunks is not None else DEFAULT_CHUNKS
-    costs, latency = _costs(args.costs), _latency(args.latency)
+    p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
+    chunks = args.chunks if args.chunks is not None else DEFAULT_CHUNKS
+    costs, latency = _costs(args.costs), args.latency
     timelines = {}
     for name in SCHEDULES:
         name_chunks = chunks_of(name) or (chunks if supports_chunks(get_schedule(name)) else 1)
@@ -188,21 +206,15 @@ def _number(value: float) -> str:
     return f"{value:.4g}" if value != int(value) else str(int(value))
 
 
-def _count(text: str | None, option: str) -> int:
-    if text is None:
+def _required(value: int | None, option: str) -> int:
+    if value is None:
         raise UsageError(f"{option} is required")
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{option} must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise UsageError(f"{option} must be a whole number >= 1, got {value}")
     return value
 
 
-def _chunks_for(name: str, text: str | None) -> int:
-    if text is not None:
-        return _count(text, "--chunks")
+def _chunks_for(name: str, chunks: int | None) -> int:
+    if chunks is not None:
+        return chunks
     return chunks_of(name) or (DEFAULT_CHUNKS if supports_chunks(get_schedule(name)) else 1)
 
 
@@ -217,13 +229,3 @@ def _costs(text: str | None) -> tuple[float, float, float]:
     if len(costs) != 3 or min(costs) < 0 or costs[0] + costs[1] + costs[2] <= 0:
         raise UsageError(f"--costs must be three numbers >= 0 like 1,1,1 (F,I,W), got {text!r}")
     return costs  # type: ignore[return-value]
-
-
-def _latency(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise UsageError(f"--latency must be a number >= 0, got {text!r}")
-    return value

@@ -1,7 +1,9 @@
 """``torchrun --nproc-per-node N -m pipeclock train [...]``: the main job.
 
 The number of stages is the number of processes torchrun starts. Rank 0 prints the progress, then the
-run's measurements, and the last line is ``final loss <value> after <N> steps``.
+run's measurements, and the last line is ``final loss <value> after <N> steps``. The outputs it names
+(``--png``, ``--trace``, ...) are checked before the first step, so a bad path costs no training; Ctrl-C
+(or the SIGTERM torchrun sends) ends each rank with one line, ``rank 1: interrupted at step 3``.
 
 With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
 checkpoint there, so ``torchrun --max-restarts K ... --resume`` survives a rank that dies: the survivors
@@ -16,10 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 from pipeclock import comms
+from pipeclock.app import interrupts
+from pipeclock.app.arguments import (
+    check_output,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
 from pipeclock.app.checkpoint import CheckpointError
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
@@ -28,6 +39,16 @@ from pipeclock.engine.precision import DTYPES
 from pipeclock.engine.recompute import POLICY_HELP
 from pipeclock.models.text import CorpusError, bits_per_byte
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
+
+DESCRIPTION = (
+    "Train a ShardedMLP or a GPT with pipeline parallelism. Each process is one pipeline stage: "
+    "torchrun --nproc-per-node P -m pipeclock train runs P stages, or with --dp N, N replicas of P/N "
+    "stages each (P processes in all). Without torchrun it runs the whole model as one stage in one process."
+)
+# What can go wrong with a run's input, its peers or its files: one line each, no traceback.
+EXPECTED_ERRORS = (ValueError, OSError, comms.CommError, CheckpointError, CorpusError)
+# What a run writes, and where the command line names it: all checked before the first step.
+OUTPUTS = {"trace": "--trace", "png": "--png", "losses": "--losses", "checkpoint_dir": "--checkpoint-dir"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--microbatches",
-        type=int,
+        type=positive_int,
         help="micro-batches per step (default 8, fewer if a replica's share of --batch-size is smaller; "
         "or the --schedule-csv file's)",
     )
@@ -58,48 +79,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule: its ranks, micro-batches and placement come from the file",
     )  # fmt: skip
     parser.add_argument(
-        "--chunks", type=int, default=None, help="model chunks per rank (default: 2 if interleaved)"
+        "--chunks", type=positive_int, default=None, help="model chunks per rank (default: 2 if interleaved)"
     )
     mlp, gpt = MODEL_DEFAULTS["mlp"], MODEL_DEFAULTS["gpt"]
-    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="the MLP's width")
+    parser.add_argument("--hidden", type=positive_int, default=defaults.hidden, help="the MLP's width")
     parser.add_argument(
-        "--layers", type=int,
+        "--layers", type=positive_int,
         help=f"the MLP's Linear layers (default {mlp['layers']}) or the GPT's blocks ({gpt['layers']})",
     )  # fmt: skip
-    parser.add_argument("--dim", type=int, default=defaults.dim, help="the GPT's width")
-    parser.add_argument("--heads", type=int, default=defaults.heads, help="the GPT's attention heads")
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="the GPT's tokens per sample")
-    parser.add_argument("--dropout", type=float, default=defaults.dropout, help="the GPT's dropout")
+    parser.add_argument("--dim", type=positive_int, default=defaults.dim, help="the GPT's width")
+    parser.add_argument(
+        "--heads", type=positive_int, default=defaults.heads, help="the GPT's attention heads"
+    )
+    parser.add_argument(
+        "--seq-len", type=positive_int, default=defaults.seq_len, help="the GPT's tokens per sample"
+    )
+    parser.add_argument("--dropout", type=probability, default=defaults.dropout, help="the GPT's dropout")
     parser.add_argument(
         "--data", metavar="PATH",
         help="a text file or folder for the GPT (default: the Python standard library's own sources)",
     )  # fmt: skip
     parser.add_argument(
-        "--eval-every", type=int, default=defaults.eval_every, metavar="N",
+        "--eval-every", type=non_negative_int, default=defaults.eval_every, metavar="N",
         help="the GPT's validation loss every N steps, and after the last (0: only after the last)",
     )  # fmt: skip
     parser.add_argument(
-        "--eval-batches", type=int, default=defaults.eval_batches, metavar="N",
+        "--eval-batches", type=positive_int, default=defaults.eval_batches, metavar="N",
         help="held-out batches per validation",
     )  # fmt: skip
     parser.add_argument(
-        "--batch-size", type=int,
+        "--batch-size", type=positive_int,
         help=f"samples per step (default {mlp['batch_size']} for mlp, {gpt['batch_size']} for gpt)",
     )  # fmt: skip
     parser.add_argument(
-        "--steps", type=int, help=f"training steps (default {mlp['steps']} for mlp, {gpt['steps']} for gpt)"
+        "--steps",
+        type=positive_int,
+        help=f"training steps (default {mlp['steps']} for mlp, {gpt['steps']} for gpt)",
     )
     parser.add_argument(
-        "--lr", type=float, help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)"
+        "--lr",
+        type=positive_float,
+        help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)",
     )
     parser.add_argument(
-        "--seed", type=int, default=defaults.seed, help="seeds the weights, the data and dropout (default 0)"
+        "--seed",
+        type=non_negative_int,
+        default=defaults.seed,
+        help="seeds the weights, the data and dropout (default 0)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=defaults.timeout, help="seconds any blocking call may wait"
+        "--timeout", type=positive_float, default=defaults.timeout, help="seconds any blocking call may wait"
     )
     parser.add_argument(
-        "--dp", type=int, default=defaults.dp, metavar="N",
+        "--dp", type=positive_int, default=defaults.dp, metavar="N",
         help="data-parallel replicas of the pipeline: the processes form a (dp, pp) mesh, pp = processes / N "
         "(default 1); each replica takes a contiguous shard of --batch-size, which stays the global batch",
     )  # fmt: skip
@@ -109,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the replicas; default) or ddp (full copies)",
     )  # fmt: skip
     parser.add_argument(
-        "--clip-grad-norm", type=float, metavar="X",
+        "--clip-grad-norm", type=positive_float, metavar="X",
         help="scale the gradients so that the whole model's norm (every stage, every replica, counted "
         "once) is at most X, as clip_grad_norm_ on one process",
     )  # fmt: skip
@@ -130,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-dir", metavar="DIR", help="save checkpoints in DIR (after the last step, at least)"
     )
     parser.add_argument(
-        "--checkpoint-every", metavar="N", type=int, default=defaults.checkpoint_every,
+        "--checkpoint-every", metavar="N", type=non_negative_int, default=defaults.checkpoint_every,
         help="also save every N steps (default: only after the last step)",
     )  # fmt: skip
     parser.add_argument(
@@ -146,25 +178,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    steps = StepsSeen()
     try:
-        config = TrainConfig.from_args(args)
-        return _train_and_report(config, args)
-    except (ValueError, comms.CommError, CheckpointError, CorpusError) as error:
-        print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
-        return 2 if isinstance(error, ValueError) else 1
+        return _run_reporting_errors(args, steps)
+    except KeyboardInterrupt as interrupt:  # also one raised while an error was being reported
+        return _interrupted(interrupts.exit_code(interrupt), steps)
     finally:
         comms.shutdown()
 
 
-def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
+def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
+    try:
+        config = TrainConfig.from_args(args)
+        for name, option in OUTPUTS.items():
+            if getattr(args, name):
+                check_output(getattr(args, name), option, folder=name == "checkpoint_dir")
+        return _train_and_report(config, args, steps)
+    except Exception as error:
+        if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
+            return _interrupted(128 + interrupts.received(), steps)
+        if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
+            raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
+        print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
+        return 2 if isinstance(error, ValueError) else 1
+
+
+class StepsSeen:
+    """The last step this rank finished, to say where an interruption found it."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.last = step
+
+    def where(self) -> str:
+        return "before the first step" if self.last is None else f"at step {self.last + 1}"
+
+
+def _interrupted(code: int, steps: StepsSeen) -> int:
+    """One line per rank (``rank 1: interrupted at step 3``): every rank gets the signal, each says so."""
+    signum = code - 128
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"rank {os.environ.get('RANK', '0')}: {how} {steps.where()}", file=sys.stderr, flush=True)
+    return code
+
+
+def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: StepsSeen) -> int:
     rank, world = comms.init(timeout=config.timeout)
     boss = rank == 0
-    if boss:
+    if boss and world % config.dp == 0:  # else train() refuses the layout, and the headline would be nonsense
         print(_headline(config, world), flush=True)
         if _restarts_share_a_store():
             print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
     progress = Progress(config.steps, enabled=boss)
-    result = train(config, on_step=progress, on_eval=progress.validation)
+
+    def on_step(step: int, loss: float) -> None:
+        steps(step, loss)
+        progress(step, loss)
+
+    result = train(config, on_step=on_step, on_eval=progress.validation)
     progress.close()
     if not boss:
         return 0
@@ -190,6 +263,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
 
 def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
     """Exact values (JSON keeps a float's every digit), so runs can be compared bit for bit."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"first_step": first_step, "losses": losses}) + "\n")
 
 

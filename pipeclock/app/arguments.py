@@ -1,0 +1,108 @@
+"""The command line's shared parts: checks for numeric flags, one-line errors, help that shows defaults.
+
+A value that cannot work (``--steps 0``, ``--timeout -1``) is refused while the command line is read,
+before torch or any process group starts, as ``pipeclock train: error: argument --steps: must be a
+positive integer, got 0`` and exit code 2. The checks are argparse ``type=`` functions, so every command
+states its limits where it declares its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _number(kind: type, test: Callable[[float], bool], wanted: str) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``text`` read as ``kind`` and passing ``test``, else "must be <wanted>"."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if not (math.isfinite(value) and test(value)):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    parse.__name__ = wanted.replace(" ", "_")
+    return parse
+
+
+positive_int = _number(int, lambda value: value > 0, "a positive integer")
+non_negative_int = _number(int, lambda value: value >= 0, "an integer >= 0")
+positive_float = _number(float, lambda value: value > 0, "a number > 0")
+non_negative_float = _number(float, lambda value: value >= 0, "a number >= 0")
+probability = _number(float, lambda value: 0 <= value < 1, "a number in [0, 1)")
+
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line (``prog: error: ...``, exit 2) and whose help shows defaults.
+
+    argparse prints the whole usage before an error; for ``train`` that is a dozen lines hiding the one
+    that matters. ``--help`` still shows it.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1e-3" for an option ("--lr: expected one argument"); it is a negative number,
+        # which the flag's own check then names.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """Under torchrun every rank reads the same command line: rank 0 alone shows its help or error."""
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Like ``ArgumentDefaultsHelpFormatter``, but a help text that already speaks of its default (or
+    says the option is required) keeps its own words (``default 8, fewer if ...``), an unset option says
+    ``none`` and on/off flags say nothing (absent means off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not shows_default(action) or "default" in text.lower() or "required" in text.lower():
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether an option takes a value, so that its default is worth saying."""
+    if action.default is argparse.SUPPRESS or action.nargs == 0:
+        return False  # --help, and flags such as store_true or store_const
+    return bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+
+
+def check_output(path: str | os.PathLike, option: str, folder: bool = False) -> None:
+    """``ValueError`` naming ``option`` and ``path`` if no file (or, with ``folder``, no folder) can be
+    written there.
+
+    Checked before the work that produces it, which may take a long time: a figure refused after an hour
+    of training is an hour lost. Nothing is created; missing folders count as creatable when the nearest
+    existing one is a writable folder (the writers create them).
+    """
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise ValueError(
+            f"{option} {path}: that is a {'file' if folder else 'folder'}; name a {_kind(folder)}"
+        )
+    existing = target if target.exists() else target.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != target and not existing.is_dir():
+        raise ValueError(f"{option} {path}: {existing} is a file, so nothing can be created under it")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{option} {path}: {existing} is not writable (permission denied)")
+
+
+def _kind(folder: bool) -> str:
+    return "folder" if folder else "file"

@@ -1,0 +1,69 @@
+"""Ctrl-C and torchrun's SIGTERM end a command with one line and exit code 128 + the signal, no traceback.
+
+Ctrl-C in a terminal sends SIGINT to torchrun and to every rank at once; torchrun then passes the signal
+on, and a job scheduler (or torchrun, when another rank failed) stops ranks with SIGTERM. Both become
+``Interrupted``, a ``KeyboardInterrupt`` that remembers its signal, so a command has one place to catch
+them. The signal received is also remembered: a rank whose peer stopped first sees a broken connection
+before its own signal is handled, and that, too, is an interruption rather than a failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_received: int | None = None
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised by the handlers that ``signals_caught`` installs."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def signals_caught() -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM raise ``Interrupted``; the former handlers come back after.
+
+    Only the main thread may set handlers: elsewhere (a test calling a command from a thread) the block
+    runs with the handlers as they are.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = (signal.SIGINT, signal.SIGTERM)
+    former = {signum: signal.signal(signum, _raise_interrupted) for signum in caught}
+    try:
+        yield
+    finally:
+        for signum, handler in former.items():
+            if handler is not None:  # None: a handler set outside Python, which cannot be put back
+                signal.signal(signum, handler)
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    """The first signal interrupts; later ones are ignored so that the report and the clean-up finish.
+
+    Under torchrun a rank gets Ctrl-C's SIGINT twice (from the terminal and passed on by torchrun): the
+    second must not interrupt the handling of the first. A stuck clean-up is still bounded: torchrun
+    sends SIGKILL after its grace period.
+    """
+    global _received
+    _received = signum
+    for caught in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(caught, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def received() -> int | None:
+    """The signal that interrupted this process, if one did."""
+    return _received
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """128 + the signal number, as a shell reports a process the signal ended (130 for Ctrl-C)."""
+    return 128 + getattr(interrupt, "signum", signal.SIGINT)
