@@ -13,12 +13,13 @@ On disk, one directory per checkpoint::
         .metadata        DCP's index of every key (written by rank 0)
         __0_0.distcp     rank 0's tensors, and the keys every rank shares (step, loss, ...)
         __1_0.distcp     rank 1's tensors
-        pipeclock.json   the run's model (its kind and size, the seed) and its stages, for export and resume
+        pipeclock.json   the run's model (kind, size, seed), its stages and training settings, and the
+                         manifest: every other file's size and CRC32
 
 A save is atomic: it is written into ``step_000010.partial/`` and renamed once every rank has written its
-file, rank 0 the metadata, and the ranks together the manifest: ``pipeclock.json`` lists every other file
-with its size and CRC32 (``pipeclock.app.checkpoint_integrity``). A directory with the suffix is never read
-and never deleted, so a run killed mid-save leaves the previous checkpoint the newest one.
+file, rank 0 the metadata, and the ranks together the manifest (``pipeclock.app.checkpoint_integrity``).
+A directory with the suffix is never read, and removed only by a later save of the same step, so a run
+killed mid-save leaves the previous checkpoint the newest one.
 
 A finished checkpoint can still be damaged later (a copy cut short, a full disk, a stray edit). Nothing is
 loaded before it passes the check: the quick one (``pipeclock.json`` parses, every file has its recorded

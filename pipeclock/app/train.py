@@ -74,9 +74,7 @@ class TrainConfig:
     dtype: str = "fp32"  # "fp32", or "bf16": autocast compute and bf16 messages, float32 weights
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
-    resume: bool | str = (
-        False  # True: checkpoint_dir's newest sound checkpoint; a path: that run or checkpoint
-    )
+    resume: bool | str = False  # True: checkpoint_dir's newest sound one; a path: that run's, or that one
     keep_last: int = 0  # after each save, keep only the newest N checkpoints; 0: keep every one
     dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
@@ -264,8 +262,11 @@ def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
 
 
 def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Position | None:
-    """Load the checkpoint ``--resume`` means (``pipeclock.app.resume``); refuse to mix a fresh run with an
-    old one. The model must match the checkpoint's; the flags' training settings win, and are reported."""
+    """Load the checkpoint ``--resume`` means; refuse to mix a fresh run with an old one.
+
+    The model must be the checkpoint's; the flags' training settings win, and each change is reported
+    (``pipeclock.app.resume``).
+    """
     if not config.checkpoint_dir:
         return None
     if not config.resume:
