@@ -4,7 +4,9 @@ a damaged checkpoint; what a resume takes from the checkpoint and what from the 
 Every run is real: ``torchrun ... -m pipeclock train`` processes, or gloo processes from
 ``tests.distributed``. Starting processes costs seconds, so the runs are made once, in two waves of
 concurrent launches (``runs``), and the tests below compare what they left: their losses (JSON, exact
-floats), their logs and their checkpoints.
+floats), their logs and their checkpoints. The reference run's processes go on to resume damaged copies of
+its own checkpoints (``_resumes``), so those cases cost no launch of their own; the damage that export
+must name is done to copies in the test process.
 
 Run as a module under torchrun (``-m tests.test_checkpoint STEP train ...``) this file is the train
 command with one twist: local rank 1 of torchrun's first attempt SIGKILLs itself after step STEP, so the

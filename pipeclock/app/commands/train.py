@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from the newest sound checkpoint in --checkpoint-dir (starts fresh, and says so, "
         "when there is none; a damaged newer one is skipped, and named), or from the run directory or the "
         "one step_NNNNNN checkpoint PATH names, with any number of stages. The model and --seed must be "
-        "the checkpoint's; the training flags given now win, each change printed. With torchrun "
+        "the checkpoint's; this command's training flags (defaults included) win, each change printed. "
+        "With torchrun "
         "--max-restarts, a restarted group goes on from the newest checkpoint",
     )  # fmt: skip
     parser.add_argument(
