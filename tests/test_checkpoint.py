@@ -1,9 +1,12 @@
-"""Checkpoints: a resumed run is the uninterrupted run, whatever the stages, a dead rank or a killed save.
+"""Checkpoints: a resumed run is the uninterrupted run, whatever the stages, a dead rank, a killed save or
+a damaged checkpoint; what a resume takes from the checkpoint and what from the flags; --keep-last.
 
 Every run is real: ``torchrun ... -m pipeclock train`` processes, or gloo processes from
 ``tests.distributed``. Starting processes costs seconds, so the runs are made once, in two waves of
 concurrent launches (``runs``), and the tests below compare what they left: their losses (JSON, exact
-floats), their logs and their checkpoints.
+floats), their logs and their checkpoints. The reference run's processes go on to resume damaged copies of
+its own checkpoints (``_resumes``), so those cases cost no launch of their own; the damage that export
+must name is done to copies in the test process.
 
 Run as a module under torchrun (``-m tests.test_checkpoint STEP train ...``) this file is the train
 command with one twist: local rank 1 of torchrun's first attempt SIGKILLs itself after step STEP, so the
@@ -127,7 +130,7 @@ def _train_then_chain_the_stages(rank: int, world: int, directory: str, probe: t
         y = stage(x)
     if rank + 1 < world:
         comms.send_tensor(y, rank + 1)
-    outcome = {"losses": result.losses, "refusals": _refusals(config)}
+    outcome = {"losses": result.losses, "refusals": _refusals(config), "resumes": _resumes(config, rank)}
     if rank + 1 == world:
         outcome |= _export_and_run(config, probe, y)
     return outcome
@@ -160,6 +163,7 @@ def _refusals(config: TrainConfig) -> dict[str, str]:
     misuses = {
         "fresh run": replace(config, checkpoint_every=0),
         "other model": replace(config, hidden=16, resume=True),
+        "other seed": replace(config, seed=1, resume=True),
     }
     refusals = {}
     for name, misuse in misuses.items():
@@ -169,6 +173,59 @@ def _refusals(config: TrainConfig) -> dict[str, str]:
         except ValueError as error:
             refusals[name] = str(error)
     return refusals
+
+
+def _resumes(config: TrainConfig, rank: int) -> dict[str, dict]:
+    """The finished run's checkpoints (steps 5, 10, 15, 20), copied and damaged, resumed in these processes.
+
+    In the copy, step 20 has one byte flipped in ``__0_0.distcp``: same size, so only its CRC32 tells,
+    and only rank 1 sums that file. Step 15 has ``__1_0.distcp`` cut short.
+    """
+    root = Path(config.checkpoint_dir)
+    copy, fresh = root.with_name("damaged"), (lambda name: str(root.with_name(name)))
+    if rank == 0:
+        shutil.copytree(root, copy)
+        _flip_a_byte(copy / "step_000020" / "__0_0.distcp")
+        _truncate(copy / "step_000015" / "__1_0.distcp")
+        (copy / "step_000003.partial").mkdir()  # a save in progress: --keep-last never touches it
+    comms.barrier("damaging the copy")
+    resumes = {
+        "damaged, named": replace(config, checkpoint_dir=fresh("named"), resume=str(copy / "step_000020")),
+        "damaged newest": replace(config, checkpoint_dir=str(copy), resume=True, keep_last=2),
+        "new lr": replace(
+            config, checkpoint_dir=fresh("new_lr"), resume=str(root / "step_000010"), lr=0.01, steps=12
+        ),
+        "older into newer": replace(config, resume=str(root / "step_000010")),
+    }
+    return {name: _resumed(resumed) for name, resumed in resumes.items()}
+
+
+def _resumed(config: TrainConfig) -> dict:
+    """What a resumed run said (rank 0 speaks), the losses of its steps, or its error."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            losses = train(config).losses
+    except (ValueError, checkpoint.CheckpointError) as error:
+        return {"said": said.getvalue(), "error": f"{type(error).__name__}: {error}"}
+    return {"said": said.getvalue(), "losses": losses}
+
+
+def _flip_a_byte(path: Path, at: int = 1000) -> None:
+    content = bytearray(path.read_bytes())
+    content[at] ^= 0xFF
+    path.write_bytes(bytes(content))
+
+
+def _garble(path: Path) -> None:
+    """Overwrite the file with bytes that are no pickle, keeping its size."""
+    size = path.stat().st_size
+    path.write_bytes((b"\x80\x05garbage" * size)[:size])
+
+
+def _truncate(path: Path, size: int = 1000) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(size)
 
 
 # --- a save that a rank does not survive -----------------------------------------------------------------
@@ -223,7 +280,9 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
         return started[-1]
 
     def killed_job(name: str, die_after: int) -> Launch:
-        flags = _flags(steps=STEPS, checkpoint_dir=d(name), checkpoint_every=5, resume=True, losses=j(name))
+        flags = _flags(
+            steps=STEPS, checkpoint_dir=d(name), checkpoint_every=5, keep_last=1, resume=True, losses=j(name)
+        )
         started.append(
             Launch(d(name), 2, [str(die_after), "train", *flags], restarts=1, module="tests.test_checkpoint")
         )
@@ -234,13 +293,18 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
         first = {"halt": train_job("halt", 2, steps=10), "four": train_job("four", 4, steps=10)}
         reference = run_ok(_train_then_chain_the_stages, 2, str(d("reference")), probe, timeout=60)
         logs = {name: launch.result() for name, launch in first.items()}
-        for stages in (2, 3):
-            shutil.copytree(d("four"), d(f"four_to_{stages}"))
+        shutil.copytree(d("four"), d("four_to_2"))
         second = {
             "resume": train_job("resume", 2, directory="halt", steps=STEPS, resume=True),
             "four_to_2": train_job("four_to_2", 2, steps=STEPS, resume=True),
+            # --resume PATH: one checkpoint of another run; the saves go to a directory of its own
             "four_to_3": train_job(
-                "four_to_3", 3, steps=STEPS, resume=True, schedule="interleaved-1f1b", microbatches=6
+                "four_to_3",
+                3,
+                steps=STEPS,
+                resume=d("four") / "step_000010",
+                schedule="interleaved-1f1b",
+                microbatches=6,
             ),
             "killed": killed_job("killed", die_after=12),
         }
@@ -287,6 +351,8 @@ def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_ends_as_if_i
     assert len(re.findall(r"^resumed from .*step_000010 at step 10 ", log, re.M)) == 1  # the second
     assert runs.losses("killed") == (10, runs.reference_losses[10:])
     assert _final_loss(log) == f"{runs.reference_losses[-1]:.6f}"
+    assert "--keep-last 1: removed step_000005" in log  # the first attempt, before it died
+    assert sorted(path.name for path in (runs.tmp / "killed").iterdir()) == ["step_000020"]
 
 
 @pytest.mark.slow
@@ -322,6 +388,152 @@ def test_a_fresh_run_or_another_model_cannot_reuse_a_runs_checkpoint_directory(r
             and "already holds checkpoints" in refusals["fresh run"]
         )
         assert refusals["other model"].endswith("holds a ShardedMLP 8 x 32, not 8 x 16")
+        assert refusals["other seed"].startswith(f"rank {rank}: ") and refusals["other seed"].endswith(
+            "step_000020 was trained with --seed 0, not --seed 1 (the seed fixes the initial weights and "
+            "every batch: resume with the checkpoint's)"
+        )
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_skipped_by_every_rank_and_the_run_ends_bit_for_bit(runs):
+    copy, reference = runs.tmp / "damaged", runs.tmp / "reference"
+    cut_from = (reference / "step_000015" / "__1_0.distcp").stat().st_size
+    assert [outcome["resumes"]["damaged newest"]["losses"] for outcome in runs.reference] == 2 * [
+        runs.reference_losses[10:]
+    ]
+    said = runs.reference[0]["resumes"]["damaged newest"]["said"].splitlines()
+    assert said[:3] == [
+        f"checkpoint {copy / 'step_000020'} is damaged (__0_0.distcp: its CRC32 differs from the one saved: "
+        "the content changed); resuming from step_000010",
+        f"checkpoint {copy / 'step_000015'} is damaged (__1_0.distcp: truncated to 1000 of {cut_from} "
+        "bytes); resuming from step_000010",
+        f"resumed from {copy / 'step_000010'} at step 10 (saved by 2 stage(s), now 2)",
+    ]
+    # --keep-last 2 after the save of step 15: the damaged step 20 is the other one kept, until replaced
+    assert "--keep-last 2: removed step_000005, step_000010" in said
+    assert sorted(p.name for p in copy.iterdir()) == ["step_000003.partial", "step_000015", "step_000020"]
+    resaved, _ = checkpoint.load_full_model(copy / "step_000020")
+    uninterrupted, _ = checkpoint.load_full_model(reference / "step_000020")
+    assert all(torch.equal(resaved[key], uninterrupted[key]) for key in uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_named_by_resume_is_one_error_on_every_rank_naming_the_file(runs):
+    # Only rank 1 sums __0_0.distcp: rank 0 reports the damage too, because the ranks share verdicts.
+    named = runs.tmp / "damaged" / "step_000020"
+    for rank, outcome in enumerate(runs.reference):
+        assert outcome["resumes"]["damaged, named"] == {
+            "said": "",
+            "error": f"CheckpointError: rank {rank}: checkpoint {named} is damaged: __0_0.distcp: its CRC32 "
+            "differs from the one saved: the content changed",
+        }
+
+
+@pytest.mark.slow
+def test_a_resume_trains_with_the_flags_settings_and_says_once_what_changed(runs):
+    said, losses = runs.reference[0]["resumes"]["new lr"].values()
+    assert said.splitlines()[1] == "resume: --lr 0.01 (checkpoint had 0.001); --steps 12 (checkpoint had 20)"
+    assert runs.reference[1]["resumes"]["new lr"]["said"] == ""  # rank 0 speaks for the run
+    assert losses[0] == runs.reference_losses[10]  # the checkpoint's weights ...
+    assert losses[1] != runs.reference_losses[11]  # ... stepped at --lr 0.01, not the saved 0.001
+
+
+@pytest.mark.slow
+def test_resuming_an_older_checkpoint_into_a_directory_with_newer_ones_is_refused(runs):
+    reference = runs.tmp / "reference"
+    for rank, outcome in enumerate(runs.reference):
+        assert outcome["resumes"]["older into newer"]["error"] == (
+            f"ValueError: rank {rank}: --checkpoint-dir {reference} already holds step_000020, newer than "
+            f"the checkpoint resumed from ({reference / 'step_000010'}): the saves of two runs would mix "
+            "there; choose another --checkpoint-dir, or move the newer checkpoints away"
+        )
+
+
+def _damages(step: Path) -> dict[str, tuple]:
+    """Ways a saved checkpoint gets damaged, each with what export must say about it."""
+    size = {path.name: path.stat().st_size for path in step.iterdir()}
+    return {
+        "a .distcp cut short": (
+            lambda copy: _truncate(copy / "__1_0.distcp"),
+            f"__1_0.distcp: truncated to 1000 of {size['__1_0.distcp']} bytes",
+        ),
+        "a .distcp with a flipped byte": (
+            lambda copy: _flip_a_byte(copy / "__0_0.distcp"),
+            "__0_0.distcp: its CRC32 differs from the one saved: the content changed",
+        ),
+        "a .distcp gone": (lambda copy: (copy / "__1_0.distcp").unlink(), "__1_0.distcp: missing"),
+        "a .metadata cut short": (
+            lambda copy: _truncate(copy / ".metadata"),
+            f".metadata: truncated to 1000 of {size['.metadata']} bytes",
+        ),
+        "a garbled .metadata of the right size": (
+            lambda copy: _garble(copy / ".metadata"),
+            ".metadata: unreadable, UnpicklingError: ",
+        ),
+        "a corrupt pipeclock.json": (
+            lambda copy: (copy / "pipeclock.json").write_text('{"step": 20, "stag'),
+            "pipeclock.json: not valid JSON, Unterminated string starting at: line 1 column 14 (char 13)",
+        ),
+        "a pipeclock.json of something else": (
+            lambda copy: (copy / "pipeclock.json").write_text("[1, 2]"),
+            "pipeclock.json: not a pipeclock run description (no step or stages)",
+        ),
+    }
+
+
+@pytest.mark.slow
+def test_export_of_a_damaged_checkpoint_is_one_error_naming_the_file_and_the_fault(runs, tmp_path, capsys):
+    saved = runs.tmp / "reference" / "step_000020"
+    for name, (damage, expected) in _damages(saved).items():
+        copy, output = tmp_path / name / "step_000020", tmp_path / name / "model.pt"
+        shutil.copytree(saved, copy)
+        damage(copy)
+        assert cli.main(["export", str(copy), str(output)]) == 2, name
+        error = capsys.readouterr().err
+        assert error.startswith(f"pipeclock export: error: checkpoint {copy} is damaged: {expected}"), name
+        assert error.count("\n") == 1 and not output.exists(), name
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(expected)):
+            checkpoint.load_model(copy)  # generate's way in
+
+
+@pytest.mark.slow
+def test_export_of_a_run_directory_skips_its_damaged_newest_and_says_so(runs, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs.tmp / "reference", run)
+    _truncate(run / "step_000020" / "__1_0.distcp")
+    (run / "step_000015" / "pipeclock.json").unlink()
+    assert cli.main(["export", str(run), str(tmp_path / "model.pt")]) == 0
+    out, err = capsys.readouterr()
+    cut_from = (runs.tmp / "reference" / "step_000020" / "__1_0.distcp").stat().st_size
+    assert err.splitlines() == [
+        f"pipeclock export: checkpoint {run / 'step_000020'} is damaged (__1_0.distcp: truncated to 1000 of "
+        f"{cut_from} bytes); exporting step_000010",
+        f"pipeclock export: checkpoint {run / 'step_000015'} is damaged (pipeclock.json: missing); "
+        "exporting step_000010",
+    ]
+    assert out.startswith(f"exported {run / 'step_000010'} (step 10, ")
+    for step in ("step_000010", "step_000005"):
+        shutil.rmtree(run / step)
+    assert cli.main(["export", str(run), str(tmp_path / "model.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"pipeclock export: error: every checkpoint in {run} is damaged: step_000020 (__1_0.distcp: "
+        f"truncated to 1000 of {cut_from} bytes), step_000015 (pipeclock.json: missing)\n"
+    )
+
+
+@pytest.mark.slow
+def test_keep_last_keeps_the_newest_sound_checkpoints_and_never_a_partial_save(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs.tmp / "reference", run)
+    (run / "step_000030.partial").mkdir()  # another run's save in progress
+    _truncate(run / "step_000015" / "__1_0.distcp")  # damaged: it does not take one of the places
+    newest = run / "step_000020"
+    assert checkpoint.prune(run, 2, newest) == [run / "step_000005"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "step_000010", "step_000015", "step_000020", "step_000030.partial"
+    ]  # fmt: skip
+    assert checkpoint.prune(run, 1, newest) == [run / "step_000015", run / "step_000010"]
+    assert sorted(p.name for p in run.iterdir()) == ["step_000020", "step_000030.partial"]
 
 
 @pytest.mark.slow

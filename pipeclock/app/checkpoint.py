@@ -13,11 +13,26 @@ On disk, one directory per checkpoint::
         .metadata        DCP's index of every key (written by rank 0)
         __0_0.distcp     rank 0's tensors, and the keys every rank shares (step, loss, ...)
         __1_0.distcp     rank 1's tensors
-        pipeclock.json   the run's model (its kind and size, the seed) and its stages, for export and resume
+        pipeclock.json   the run's model (kind, size, seed), its stages and training settings, and the
+                         manifest: every other file's size and CRC32
 
 A save is atomic: it is written into ``step_000010.partial/`` and renamed once every rank has written its
-file and rank 0 the metadata. A directory with the suffix is never read, so a run killed mid-save leaves
-the previous checkpoint the newest one.
+file, rank 0 the metadata, and the ranks together the manifest (``pipeclock.app.checkpoint_integrity``).
+A directory with the suffix is never read, and removed only by a later save of the same step, so a run
+killed mid-save leaves the previous checkpoint the newest one.
+
+A finished checkpoint can still be damaged later (a copy cut short, a full disk, a stray edit). Nothing is
+loaded before it passes the check: the quick one (``pipeclock.json`` parses, every file has its recorded
+size, ``.metadata`` loads and indexes nothing past a file's end: a ``stat`` per file, no tensor read), then
+the CRC32s, each rank summing a share of the files. ``choose`` applies it:
+
+- a checkpoint named explicitly (``DIR/step_000010``) is used if it passes, or is one ``CheckpointError``
+  naming the file and what is wrong with it;
+- a run directory means its newest checkpoint that passes: each newer damaged one is skipped, and said
+  so. Every rank takes part in each check and sees the same verdicts, so all resume from the same one.
+
+``prune`` keeps the newest N checkpoints after a save (``--keep-last``): the one just written, and the
+newest others that pass the quick check; older step directories go, ``.partial`` ones never.
 """
 
 from __future__ import annotations
@@ -38,11 +53,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeclock import comms
+from pipeclock.app import checkpoint_integrity as integrity
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.registry import full_model
 
 PARTIAL = ".partial"
-RUN_FILE = "pipeclock.json"
+REPLACED = ".replaced"
+RUN_FILE = integrity.RUN_FILE
 _STEP_DIR = re.compile(r"step_(\d+)")
 # One key per parameter for the optimizer too, so each rank saves and loads only its own layers' state.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -84,12 +101,10 @@ def newest(root: str | os.PathLike) -> Path | None:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """``path`` itself if it is a complete checkpoint, else the newest one under it."""
-    path = Path(path)
-    if _is_complete(path):
-        return path
-    found = newest(path)
+    """``choose(path)`` for one process: the checkpoint ``path`` names, or its run's newest sound one."""
+    found = choose(path, together=False).path
     if found is None:
+        path = Path(path)
         why = "it does not exist" if not path.exists() else "no complete step_NNNNNN directory in it"
         raise CheckpointError(f"no checkpoint in {path}: {why}")
     return found
@@ -100,8 +115,137 @@ def _is_complete(path: Path) -> bool:
 
 
 def read_run(path: str | os.PathLike) -> dict:
-    """The run description saved with a checkpoint (hidden, layers, seed, stages, chunks, schedule, step)."""
-    return json.loads((Path(path) / RUN_FILE).read_text())
+    """The run description saved with a checkpoint (hidden, layers, seed, stages, chunks, schedule, step).
+
+    A missing or garbled ``pipeclock.json`` is a ``CheckpointError`` naming it.
+    """
+    try:
+        return integrity.read_run(Path(path))
+    except integrity.Damaged as damage:
+        raise _damaged(Path(path), damage) from None
+
+
+# --- which checkpoint to use, and which to keep -------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    """The checkpoint to load (None: there is none yet) and the newer ones skipped as damaged, with why."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]]
+
+    def skipped_lines(self, doing: str = "resuming from") -> list[str]:
+        """One line per damaged checkpoint passed over: ``checkpoint X is damaged (why); resuming from Y``."""
+        name = self.path.name
+        return [f"checkpoint {path} is damaged ({why}); {doing} {name}" for path, why in self.skipped]
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names one checkpoint (``step_NNNNNN``, or a directory holding DCP's index or ours)."""
+    path = Path(path)
+    return bool(_STEP_DIR.fullmatch(path.name)) or (path / ".metadata").exists() or (path / RUN_FILE).exists()
+
+
+def choose(target: str | os.PathLike, *, together: bool = True) -> Choice:
+    """The checkpoint ``target`` means, checked whole.
+
+    ``target`` is one checkpoint (used if sound, else ``CheckpointError``) or a run directory (its newest
+    sound checkpoint; the damaged newer ones are listed in ``skipped``). A run directory with no
+    checkpoint yet gives ``Choice(None, [])``; one whose every checkpoint is damaged is an error.
+    ``together``: every rank calls it, shares the checking, and gets the same answer; else this process
+    alone checks (export, generate).
+    """
+    target = Path(target)
+    check = agreed_damage if together else damage
+    if target.name.endswith(PARTIAL):
+        raise CheckpointError(f"{target} is an unfinished save ({PARTIAL}): name a complete checkpoint")
+    if is_checkpoint(target):
+        if not target.is_dir():
+            raise CheckpointError(f"no checkpoint at {target}: it does not exist")
+        problem = check(target)
+        if problem:
+            raise CheckpointError(f"checkpoint {target} is damaged: {problem}")
+        return Choice(target, [])
+    skipped = []
+    for candidate in _agreed_candidates(target) if together else _step_dirs(target):
+        problem = check(candidate)
+        if problem is None:
+            return Choice(candidate, skipped)
+        skipped.append((candidate, problem))
+    if skipped:
+        listed = ", ".join(f"{path.name} ({why})" for path, why in skipped)
+        raise CheckpointError(f"every checkpoint in {target} is damaged: {listed}")
+    return Choice(None, [])
+
+
+def damage(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the checkpoint at ``path`` (``"__1_0.distcp: truncated to 812 of 4096 bytes"``).
+
+    None if nothing is. The quick check, then the CRC32s of rank ``rank``'s share of the files (all of
+    them by default).
+    """
+    try:
+        run = integrity.quick_check(path)
+        integrity.check_sums(path, run, integrity.share(integrity.summed_files(run), rank, world))
+    except integrity.Damaged as found:
+        return str(found)
+    return None
+
+
+def agreed_damage(path: Path) -> str | None:
+    """``damage(path)`` with the sums shared out: every rank sees every verdict and reports the first."""
+    mine = damage(path, comms.get_rank(), comms.get_world_size())
+    verdicts = comms.all_gather_object(mine, f"checking {path}")
+    return next((verdict for verdict in verdicts if verdict), None)
+
+
+def sound_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The checkpoints under ``root`` that pass the quick check, newest first (rank 0's view, no sums)."""
+    return [path for path in _step_dirs(root) if _passes_quick_check(path)]
+
+
+def prune(root: str | os.PathLike, keep: int, just_written: Path) -> list[Path]:
+    """Delete every checkpoint under ``root`` older than the newest ``keep`` ones; returns the deleted.
+
+    The ones kept are ``just_written`` and the newest others that pass the quick check (a damaged one
+    does not take a place). Only complete ``step_NNNNNN`` directories are considered: a ``.partial`` one
+    (perhaps another run's save in progress) is never touched. Rank 0 alone calls it.
+    """
+    others = [path for path in sound_checkpoints(root) if path != just_written]
+    kept = [just_written, *others[: keep - 1]]
+    oldest_kept = min(step_of(path) for path in kept)
+    doomed = [path for path in _step_dirs(root) if step_of(path) < oldest_kept and path not in kept]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _agreed_candidates(root: Path) -> list[Path]:
+    """Rank 0's list of the checkpoint directories under ``root``, newest first, on every rank."""
+    mine = _step_dirs(root) if comms.get_rank() == 0 else None
+    return comms.all_gather_object(mine, f"listing the checkpoints in {root}")[0]
+
+
+def _step_dirs(root: str | os.PathLike) -> list[Path]:
+    """Every ``step_NNNNNN`` directory under ``root`` (finished saves, sound or not), newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [path for path in root.iterdir() if _STEP_DIR.fullmatch(path.name) and path.is_dir()]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def _passes_quick_check(path: Path) -> bool:
+    try:
+        integrity.quick_check(path)
+    except integrity.Damaged:
+        return False
+    return True
+
+
+def _damaged(path: Path, damage: integrity.Damaged) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged: {damage}")
 
 
 # --- saving and loading (every rank calls these together) -------------------------------------------------
@@ -126,13 +270,40 @@ def save(
     comms.barrier(f"preparing {partial}")
     with _explained(f"saving {partial}"):
         dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
-    # DCP's save returns on rank 0 after every rank reported its file written and the metadata is on
-    # disk, so the checkpoint is complete when rank 0 renames it.
+    # DCP's save returns after every rank reported its file written and rank 0 wrote the metadata, so
+    # the files are final: the ranks sum them, and the checkpoint is complete when rank 0 renames it.
+    files = _manifest(partial)
     if comms.get_rank() == 0:
-        _write_json(partial / RUN_FILE, {"stages": comms.get_world_size(), **run, "step": position.step})
-        os.replace(partial, final)
-        _sync_directory(final.parent)
+        description = {"stages": comms.get_world_size(), **run, "step": position.step, "files": files}
+        _write_json(partial / RUN_FILE, description)
+        _replace_directory(partial, final)
     return final
+
+
+def _manifest(partial: Path) -> dict[str, dict[str, int]]:
+    """Every file's size and CRC32 (on rank 0; None elsewhere), each rank summing its share of the files."""
+    rank, world = comms.get_rank(), comms.get_world_size()
+    listed = integrity.manifest_files(partial) if rank == 0 else None
+    names = comms.all_gather_object(listed, f"listing the files of {partial}")[0]
+    mine = integrity.describe_files(partial, integrity.share(names, rank, world))
+    shares = comms.gather_object(mine, f"summing the files of {partial}")
+    if rank != 0:
+        return None
+    return dict(sorted((name, entry) for share in shares for name, entry in share.items()))
+
+
+def _replace_directory(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final``; an older ``final`` (a damaged one, or another timeline's) goes.
+
+    The old one is first renamed aside, so at no moment is a half-deleted directory named like a checkpoint.
+    """
+    aside = final.with_name(final.name + REPLACED)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(partial, final)
+    _sync_directory(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> Position:
@@ -176,12 +347,16 @@ def load_full_model(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
 def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     """The whole model, loaded from the checkpoint at ``path``, and its run description.
 
-    Needs no process group: the one process reads every layer's key (a tied weight once).
+    Needs no process group: the one process reads every layer's key (a tied weight once). The checkpoint
+    is checked whole first (sizes, index, CRC32s), so damage is a ``CheckpointError`` naming the file.
     """
+    problem = damage(Path(path))
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     run = read_run(path)
     model = full_model(run)
     state = {"model": GlobalView([model]).state_dict()}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _explained(f"loading {path}"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return model, run

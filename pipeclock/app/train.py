@@ -10,9 +10,10 @@ optimizer is per rank (each rank updates only the parameters it holds), which is
 parallelism needs: no parameter lives on two ranks.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
-step (``pipeclock.app.checkpoint``); with ``resume`` it continues from the newest complete checkpoint there,
-whatever the number of stages that saved it. Since batch k depends only on (seed, k), a resumed run sees
-the data the uninterrupted run would have seen.
+step (``pipeclock.app.checkpoint``); with ``resume`` it continues from the newest sound checkpoint there
+(or the run or checkpoint ``resume`` names, ``pipeclock.app.resume``), whatever the number of stages that
+saved it. Since batch k depends only on (seed, k), a resumed run sees the data the uninterrupted run would
+have seen.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint
+from pipeclock.app import checkpoint, resume
 from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.run_checks import agree, check_values
 from pipeclock.app.tasks import make_task
@@ -33,7 +34,6 @@ from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
-from pipeclock.models.registry import describe, same_model
 from pipeclock.models.text import bits_per_byte
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
 from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh, pp_rank, shard_of
@@ -74,7 +74,8 @@ class TrainConfig:
     dtype: str = "fp32"  # "fp32", or "bf16": autocast compute and bf16 messages, float32 weights
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # 0: only after the last step
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    resume: bool | str = False  # True: checkpoint_dir's newest sound one; a path: that run's, or that one
+    keep_last: int = 0  # after each save, keep only the newest N checkpoints; 0: keep every one
     dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
@@ -245,8 +246,12 @@ def _check_checkpointing(config: TrainConfig) -> None:
     rank = comms.get_rank()
     if config.checkpoint_every < 0:
         raise ValueError(f"rank {rank}: checkpoint_every must be >= 0, got {config.checkpoint_every}")
-    if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
-        raise ValueError(f"rank {rank}: resume and checkpoint_every need a checkpoint_dir")
+    if config.keep_last < 0:
+        raise ValueError(
+            f"rank {rank}: --keep-last must be >= 0 (0 keeps every checkpoint), got {config.keep_last}"
+        )
+    if (config.resume or config.checkpoint_every or config.keep_last) and not config.checkpoint_dir:
+        raise ValueError(f"rank {rank}: resume, checkpoint_every and keep_last need a checkpoint_dir")
 
 
 def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
@@ -257,30 +262,38 @@ def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
 
 
 def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Position | None:
-    """Load the newest checkpoint when asked to resume; refuse to mix a fresh run with an old one."""
+    """Load the checkpoint ``--resume`` means; refuse to mix a fresh run with an old one.
+
+    The model must be the checkpoint's; the flags' training settings win, and each change is reported
+    (``pipeclock.app.resume``).
+    """
     if not config.checkpoint_dir:
         return None
-    rank, directory = comms.get_rank(), config.checkpoint_dir
-    found = checkpoint.agreed_newest(directory)
-    if found is None:
-        if config.resume:
-            _say(f"no checkpoint in {directory} to resume from: starting fresh")
-        return None
     if not config.resume:
-        raise ValueError(
-            f"rank {rank}: {directory} already holds checkpoints of a run (newest: {found.name}); "
-            "resume it (--resume), or choose another directory"
-        )
-    saved, wanted = checkpoint.read_run(found), task.run_info()
-    if not same_model(saved, wanted):
-        saved_model, wanted_model = describe(saved), describe(wanted)
-        if saved_model.split()[0] == wanted_model.split()[0]:  # same kind: say only the sizes
-            wanted_model = wanted_model.split(" ", 1)[1]
-        raise ValueError(f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}")
+        found = checkpoint.agreed_newest(config.checkpoint_dir)
+        if found is not None:
+            raise ValueError(
+                f"rank {comms.get_rank()}: {config.checkpoint_dir} already holds checkpoints of a run "
+                f"(newest: {found.name}); resume it (--resume), or choose another directory"
+            )
+        return None
+    choice = resume.choose(config)
+    if choice.path is None:
+        _say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting fresh")
+        return None
+    for line in choice.skipped_lines():
+        _say(line)
+    found, saved = choice.path, checkpoint.read_run(choice.path)
+    resume.check_same_model(found, saved, task.run_info())
+    resume.check_no_newer(config, found)
     position = checkpoint.load(found, modules, optimizer)
+    resume.set_learning_rate(optimizer, config.lr)
     before = _layout(saved["stages"], saved.get("replicas", 1))
     now = _layout(comms.get_world_size() // config.dp, config.dp).removesuffix(" stage(s)")
     _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
+    changed = resume.changes(saved, config)
+    if changed:
+        _say("resume: " + "; ".join(changed))
     return position
 
 
@@ -295,9 +308,15 @@ def _save(config: TrainConfig, task, position: checkpoint.Position, modules, opt
         "chunks": config.chunks_per_rank(),
         "stages": comms.get_world_size() // config.dp,
         "replicas": config.dp,
+        "settings": resume.settings_of(config),
     }
     path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)
     _say(f"checkpoint saved: {path} (step {position.step})")
+    if config.keep_last and comms.get_rank() == 0:
+        removed = checkpoint.prune(config.checkpoint_dir, config.keep_last, path)
+        if removed:
+            names = ", ".join(sorted(p.name for p in removed))
+            _say(f"--keep-last {config.keep_last}: removed {names}")
 
 
 def _say(message: str) -> None:

@@ -6,11 +6,12 @@ run's measurements, and the last line is ``final loss <value> after <N> steps``.
 (or the SIGTERM torchrun sends) ends each rank with one line, ``rank 1: interrupted at step 3``.
 
 With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
-checkpoint there, so ``torchrun --max-restarts K ... --resume`` survives a rank that dies: the survivors
-fail fast (exit 1), torchrun restarts the group, and the run goes on from its last checkpoint. With
-torch 2.13, launch such a job with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun keeps
-one store for every attempt, and a restarted group can read the dead attempt's addresses from it and fail
-or hang in its first collective (pytorch/pytorch#135712).
+sound checkpoint there (``--resume PATH``: another run's, or one checkpoint), so ``torchrun --max-restarts
+K ... --resume`` survives a rank that dies: the survivors fail fast (exit 1), torchrun restarts the group,
+and the run goes on from its last checkpoint. With torch 2.13, launch such a job with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun keeps one store for every attempt, and a
+restarted group can read the dead attempt's addresses from it and fail or hang in its first collective
+(pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
@@ -166,10 +167,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also save every N steps (default: only after the last step)",
     )  # fmt: skip
     parser.add_argument(
-        "--resume", action="store_true",
-        help="continue from the newest complete checkpoint in --checkpoint-dir, with any number of stages "
-        "(starts fresh, and says so, when there is none); with torchrun --max-restarts, a restarted group "
-        "goes on from there",
+        "--resume", nargs="?", const=True, default=False, metavar="PATH",
+        help="continue from the newest sound checkpoint in --checkpoint-dir (starts fresh, and says so, "
+        "when there is none; a damaged newer one is skipped, and named), or from the run directory or the "
+        "one step_NNNNNN checkpoint PATH names, with any number of stages. The model and --seed must be "
+        "the checkpoint's; this command's training flags (defaults included) win, each change printed. "
+        "With torchrun "
+        "--max-restarts, a restarted group goes on from the newest checkpoint",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-last", metavar="N", type=int, default=defaults.keep_last,
+        help="after each save, delete all but the newest N sound checkpoints in --checkpoint-dir (never "
+        "the one just written, never a .partial save in progress; default: keep all)",
     )  # fmt: skip
     parser.add_argument(
         "--losses", metavar="FILE",
