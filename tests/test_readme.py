@@ -1,0 +1,111 @@
+"""The README says what the code does: its demo is `make demo`, its Python runs, its commands parse."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def fenced(language: str) -> list[str]:
+    """The README's code blocks in ``language``, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
+
+
+def commands(block: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def make_recipe(target: str) -> list[str]:
+    """The recipe lines of a Makefile target, with ``$(BIN)`` written as the README writes it."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE).group(1)
+    return [line.strip().replace("$(BIN)", ".venv/bin") for line in recipe.splitlines()]
+
+
+def test_the_readme_shows_exactly_what_make_demo_runs():
+    section = README[README.index("## What `make demo` shows") :]
+    shown = commands(re.search(r"```sh\n(.*?)```", section, re.DOTALL).group(1))
+    assert [shlex.split(line) for line in shown] == [shlex.split(line) for line in make_recipe("demo")]
+    for written in ("--trace", "--png"):  # the files the prose says the demo writes
+        path = shlex.split(shown[0])[shlex.split(shown[0]).index(written) + 1]
+        assert f"`{path}`" in section
+
+
+# --- every command the README shows is one pipeclock accepts -------------------------------------------
+
+
+def pipeclock_words(line: str) -> tuple[str, list[str]] | None:
+    """The pipeclock command and its arguments in a README line, or None for other tools (make...)."""
+    words = shlex.split(line)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words.pop(0)  # environment variables
+    if "pipeclock" not in words:
+        return None
+    after = words[words.index("pipeclock") + 1 :]
+    return after[0], after[1:]
+
+
+def parse(command: str, arguments: list[str]) -> argparse.Namespace:
+    from pipeclock.app import cli
+
+    parser = argparse.ArgumentParser(prog=f"pipeclock {command}", exit_on_error=False)
+    cli._command_module(command).add_arguments(parser)
+    return parser.parse_args(arguments)
+
+
+def test_every_pipeclock_command_in_the_readme_parses():
+    shown = [found for block in fenced("sh") for line in commands(block) if (found := pipeclock_words(line))]
+    assert len(shown) >= 15, "the README's command lines were found"
+    for command, arguments in shown:
+        try:
+            parse(command, arguments)
+        except (argparse.ArgumentError, SystemExit) as error:
+            pytest.fail(f"README: pipeclock {command} {shlex.join(arguments)}: {error}")
+
+
+# --- the Python snippets run, as they are, on real processes ------------------------------------------
+
+
+SNIPPETS = fenced("python")
+INTERLEAVED = {"num_stages=world)": "num_stages=world, chunks=2)", '"1f1b"': '"interleaved-1f1b"'}
+
+
+def with_changes(snippet: str, changes: dict[str, str]) -> str:
+    for old, new in changes.items():
+        assert old in snippet, f"the README snippet no longer has {old!r}"
+        snippet = snippet.replace(old, new)
+    return snippet
+
+
+def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
+    """Each snippet run as a script would run it on this rank; what its optimizer and pipeline hold."""
+    results = []
+    for snippet in snippets:
+        scope: dict = {"__name__": "__main__"}
+        exec(compile(snippet, "README.md", "exec"), scope)
+        optimized = {id(p) for group in scope["optimizer"].param_groups for p in group["params"]}
+        held = {id(p) for chunk in scope["pipe"].chunks for p in chunk.parameters()}
+        results.append({"loss": scope["loss"], "chunks": len(scope["pipe"].chunks), "all": optimized == held})
+    return results
+
+
+def test_the_readmes_python_snippets_run_and_optimize_every_chunk():
+    own_model, mesh = SNIPPETS  # "Using it on your own model", then the (dp, pp) mesh
+    snippets = [own_model, with_changes(own_model, INTERLEAVED), mesh]
+    ranks = run_ok(run_snippets, 2, snippets, timeout=60.0)
+    for rank, results in enumerate(ranks):
+        assert [result["chunks"] for result in results] == [1, 2, 1], rank
+        assert all(result["all"] for result in results), "the optimizer holds every chunk's parameters"
+        assert all(result["loss"] == other["loss"] for result, other in zip(results, ranks[0], strict=True))
