@@ -109,3 +109,51 @@ def test_the_readmes_python_snippets_run_and_optimize_every_chunk():
         assert [result["chunks"] for result in results] == [1, 2, 1], rank
         assert all(result["all"] for result in results), "the optimizer holds every chunk's parameters"
         assert all(result["loss"] == other["loss"] for result, other in zip(results, ranks[0], strict=True))
+
+
+# --- what the README points to exists ---------------------------------------------------------------
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_and_anchor_in_the_readme_exists():
+    for target in re.findall(r"\]\(([^)]+)\)", README):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README links to {path}, which is missing"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", (ROOT / path).read_text(), re.MULTILINE)
+            assert anchor in {slug(heading) for heading in headings}, f"README links to {target}"
+
+
+def layout_listing() -> set[str]:
+    """The modules (and folders, ending in /) the README's layout names, as paths under pipeclock/."""
+    block = README[README.index("## How the code is laid out") :].split("```")[1]
+    listed, folder = set(), ""
+    for line in block.splitlines()[2:]:  # after the opening fence and "pipeclock/"
+        indent, first = len(line) - len(line.lstrip()), re.split(r"\s{2,}", line.strip())[0]
+        if indent == 0:
+            break
+        if indent == 2 and first.endswith("/"):
+            folder = first
+            continue
+        names = re.findall(r"\w+\.py|\w+/", first)
+        listed |= {(folder if indent > 2 else "") + name for name in names}
+    return listed
+
+
+def test_the_readmes_layout_names_every_module_and_only_real_ones():
+    listed = layout_listing()
+    modules = {
+        str(path.relative_to(ROOT / "pipeclock"))
+        for path in (ROOT / "pipeclock").rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
+    folders = {name for name in listed if name.endswith("/")}
+    unlisted = {m for m in modules - listed if not any(m.startswith(folder) for folder in folders)}
+    assert not unlisted, f"modules the README's layout does not name: {sorted(unlisted)}"
+    assert not {name for name in listed - folders if name not in modules}, "the layout names missing modules"
