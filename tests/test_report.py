@@ -69,6 +69,7 @@ def test_the_summary_and_the_picture_quote_the_same_median_step():
     simulated = re.search(r"simulated with the measured op times ([\d.]+%)", printed).group(1)
     assert f"bubble {simulated}" in predicted
     assert figure.axes[-1].get_xlabel() == "time (ms)"
+    assert median_step(recorded_run(RUN[:2])).which == "the one measured step"
     busy = [float(share) / 100 for share in re.findall(r"^\s+[01]\s+([\d.]+)%", printed, re.MULTILINE)]
     assert abs(1 - sum(busy) / 2 - step.timeline.bubble_share) < 0.001, (
         "the ranks' busy shares are that step's"

@@ -55,7 +55,7 @@ class MedianStep:
     @property
     def which(self) -> str:
         """How the summary and the picture name this step."""
-        return f"the median of {self.count} steps"
+        return f"the median of {self.count} steps" if self.count > 1 else "the one measured step"
 
 
 def median_step(report: RunReport) -> MedianStep:
