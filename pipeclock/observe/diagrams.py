@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from fractions import Fraction
+from itertools import pairwise
 from pathlib import Path
 
 from pipeclock.observe.timeline import Span, Timeline
@@ -27,11 +28,12 @@ def ascii_diagram(timeline: Timeline, max_width: int = MAX_WIDTH) -> str:
     When all times are whole multiples of a unit no shorter than the shortest span (1 in the simulator
     with default costs, 1/2 with two chunks), each unit gets the same number of characters: enough for
     the longest label, plus a space when the rows still fit in ``max_width``. A B that costs two F's is
-    then twice as wide. Otherwise (measured times, say) time is scaled to fit ``max_width`` (wider only
-    when a rank ran more actions than that), and every action keeps at least one character, in the order
-    the rank ran them: its label where the label fits, else its op letter alone (``F``), never a cut
-    label that would read as another micro-batch.
-    Zero-length spans are not drawn.
+    then twice as wide. Otherwise (measured times, say) time is first quantised to cells of a label's
+    width, as fine as ``max_width`` allows but no finer than the shortest span. If two actions of a rank
+    would then share a cell, one would vanish: time is scaled instead to ``max_width`` characters (more
+    only when a rank ran more actions than that), each action at least one character wide and in the
+    order the rank ran them, showing its label where it fits, else its op letter alone (``F``), never a
+    cut label that would read as another micro-batch. Zero-length spans are not drawn.
     """
     if not timeline.spans:
         return "(empty timeline)"
@@ -40,16 +42,20 @@ def ascii_diagram(timeline: Timeline, max_width: int = MAX_WIDTH) -> str:
     unit = _exact_unit(timeline)
     cells = round(timeline.makespan / unit) if unit else 0
     fits = prefix + cells * label + 1 <= max_width
-    ranks = range(timeline.num_ranks)
+    ranks, start = range(timeline.num_ranks), timeline.start
     if unit and (fits or unit >= _shortest_span(timeline) - _EPSILON):
         roomy = prefix + cells * (label + 1) + 1 <= max_width
         cell_width = label + 1 if roomy else label
-        rows = [_draw_row(timeline.spans_of(r), timeline.start, unit, cells, cell_width) for r in ranks]
     else:
-        busiest = max(len(_drawn(timeline.spans_of(rank))) for rank in ranks)
-        columns = max(max_width - prefix - 1, busiest)
-        start, makespan = timeline.start, timeline.makespan
-        rows = [_draw_scaled_row(timeline.spans_of(r), start, makespan, columns) for r in ranks]
+        cell_width = label + 1
+        cells = max(1, (max_width - prefix - 1) // cell_width)
+        unit = max(timeline.makespan / cells, _shortest_span(timeline))
+        cells = max(1, round(timeline.makespan / unit))
+    if all(_keeps_every_action(timeline.spans_of(r), start, unit, cells) for r in ranks):
+        rows = [_draw_row(timeline.spans_of(r), start, unit, cells, cell_width) for r in ranks]
+    else:
+        columns = max(max_width - prefix - 1, max(len(_drawn(timeline.spans_of(r))) for r in ranks))
+        rows = [_draw_scaled_row(timeline.spans_of(r), start, timeline.makespan, columns) for r in ranks]
     heads = [_row_prefix(rank, timeline.num_ranks) for rank in ranks]
     return "\n".join(f"{head}{row}|" for head, row in zip(heads, rows, strict=True))
 
@@ -73,13 +79,22 @@ def _shortest_span(timeline: Timeline) -> float:
     return min((s.duration for s in timeline.spans if s.duration > _EPSILON), default=1.0)
 
 
+def _cells(span: Span, origin: float, unit: float, cells: int) -> tuple[int, int]:
+    """The cells ``[first, last)`` a span covers: at least one, within the row."""
+    first = min(round((span.start - origin) / unit), cells - 1)
+    return first, min(max(first + 1, round((span.end - origin) / unit)), cells)
+
+
+def _keeps_every_action(spans: Iterable[Span], origin: float, unit: float, cells: int) -> bool:
+    """Whether each span gets cells of its own, none overwritten by the next."""
+    ranges = [_cells(span, origin, unit, cells) for span in _drawn(spans)]
+    return all(after[0] >= before[1] for before, after in pairwise(ranges))
+
+
 def _draw_row(spans: Iterable[Span], origin: float, unit: float, cells: int, cell_width: int) -> str:
     row = [IDLE] * (cells * cell_width)
-    for span in spans:
-        if span.duration <= _EPSILON:
-            continue
-        first = min(round((span.start - origin) / unit), cells - 1)
-        last = min(max(first + 1, round((span.end - origin) / unit)), cells)
+    for span in _drawn(spans):
+        first, last = _cells(span, origin, unit, cells)
         room = (last - first) * cell_width
         row[first * cell_width : last * cell_width] = str(span.action).ljust(room)[:room]
     return "".join(row)
