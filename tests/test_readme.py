@@ -90,14 +90,25 @@ def with_changes(snippet: str, changes: dict[str, str]) -> str:
 
 
 def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
-    """Each snippet run as a script would run it on this rank; what its optimizer and pipeline hold."""
+    """Each snippet run as a script would run it on this rank; what its optimizer and pipeline hold.
+
+    The snippets share this launch's process group: a snippet's ``comms.shutdown()`` is skipped, since
+    leaving the group and joining again at once on the same port can race with the other rank.
+    """
+    from pipeclock import comms
+
+    leave, comms.shutdown = comms.shutdown, lambda: None
     results = []
-    for snippet in snippets:
-        scope: dict = {"__name__": "__main__"}
-        exec(compile(snippet, "README.md", "exec"), scope)
-        optimized = {id(p) for group in scope["optimizer"].param_groups for p in group["params"]}
-        held = {id(p) for chunk in scope["pipe"].chunks for p in chunk.parameters()}
-        results.append({"loss": scope["loss"], "chunks": len(scope["pipe"].chunks), "all": optimized == held})
+    try:
+        for snippet in snippets:
+            scope: dict = {"__name__": "__main__"}
+            exec(compile(snippet, "README.md", "exec"), scope)
+            optimized = {id(p) for group in scope["optimizer"].param_groups for p in group["params"]}
+            held = {id(p) for chunk in scope["pipe"].chunks for p in chunk.parameters()}
+            chunks = len(scope["pipe"].chunks)
+            results.append({"loss": scope["loss"], "chunks": chunks, "all": optimized == held})
+    finally:
+        comms.shutdown = leave
     return results
 
 
