@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m pipeclock train --schedule 1f1b --trace runs/demo/trace.json --png runs/demo/timeline.png
 
+# -q -ra --tb=short: short tracebacks, and the failures' one-line summary last, where a CI log's tail shows it.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -q -ra --tb=short tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -55,9 +55,12 @@ def main(argv: list[str] | None = None) -> None:
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}")
 
-    first, last = losses[0], statistics.fmean(losses[-5:])
+    first, last, recent = losses[0], losses[-1], losses[-5:]  # one batch's loss is noisy: show a mean too
     step_time = statistics.median(step_times)
-    print(f"\nloss fell from {first:.4f} to {last:.4f} ({first / last:.0f}x) in {args.steps} steps")
+    print(
+        f"\nloss fell from {first:.4f} at step 0 to {last:.4f} at step {args.steps - 1} "
+        f"({first / last:.0f}x); the last {len(recent)} steps average {statistics.fmean(recent):.4f}"
+    )
     print(f"step time {step_time * 1e3:.2f} ms (median), {args.batch_size / step_time:,.0f} samples/s")
 
 

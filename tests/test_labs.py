@@ -36,8 +36,11 @@ def run_lab_command(number: int, *args: str) -> str:
 def test_lab1_baseline_learns_by_a_large_factor(monkeypatch, capsys):
     out = run_lab_in_process("01_baseline.py", [], monkeypatch, capsys)
     assert "parameters: 1,052,672 (4.0 MiB of fp32 weights)" in out
-    first, last, factor = re.search(r"loss fell from ([\d.]+) to ([\d.]+) \((\d+)x\)", out).groups()
+    fell = r"loss fell from ([\d.]+) at step 0 to ([\d.]+) at step 99 \((\d+)x\); the last 5 steps average "
+    first, last, factor = re.search(fell, out).groups()
     assert float(first) / float(last) >= 10 and int(factor) >= 10
+    printed = dict(re.findall(r"^step +(\d+)  loss ([\d.]+)$", out, re.MULTILINE))
+    assert (first, last) == (printed["0"], printed["99"]), "it quotes the first and the last step's losses"
     assert re.search(r"step time [\d.]+ ms \(median\), [\d,]+ samples/s", out)
 
 

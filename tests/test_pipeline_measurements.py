@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from pipeclock import schedule
 from pipeclock.engine.microbatch import loss_weights, microbatch_sizes, split_microbatches
@@ -108,11 +109,19 @@ def test_the_main_job_trains_reports_and_writes_its_timeline(tmp_path):
     first = float(re.search(r"step\s+0\s+loss ([\d.]+)", out).group(1))
     final = float(re.search(r"final loss ([\d.]+) after 30 steps\n$", out).group(1))
     assert final < first / 2
-    assert re.search(r"bubble\s+measured [\d.]+% of the step; formula \(p-1\)/\(m\+p-1\) = 20.0%", out)
+    step, makespan, bubble = re.search(
+        r"step time\s+([\d.]+ ms) \(the median of 29 steps.*\n"
+        r"bubble\s+measured ([\d.]+%) of that step's makespan \(([\d.]+ ms), first action to last\); "
+        r"formula \(p-1\)/\(m\+p-1\) = 20.0%",
+        out,
+    ).group(1, 3, 2)
     assert len(re.findall(r"^\s+[01]\s+[\d.]+%\s+[\d.]+%\s+\d+%\s+[\d.]+ MiB\s+\d+ MiB$", out, re.M)) == 2
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 30 * 2 * 8  # steps x ranks x (4 F + 4 B)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(png) as picture:  # the panels' titles, as the PNG's Description text
+        measured = picture.info["Description"].splitlines()[1]
+    shown = f"the median of 29 steps (step time {step}): p=2, m=4, makespan {makespan}, bubble {bubble}"
+    assert measured == f"gpipe, measured, {shown}", "the picture shows the step the summary quotes"
 
 
 @pytest.mark.slow

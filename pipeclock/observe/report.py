@@ -10,11 +10,12 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock.engine.actions import Schedule, dependencies, placement_of
 from pipeclock.engine.generators import SCHEDULES, bubble_formula, bubble_formula_text
-from pipeclock.observe.diagrams import MAX_WIDTH, ascii_diagram, draw_comparison_png
+from pipeclock.observe.diagrams import MAX_WIDTH, ascii_diagram, comparison_figure, duration_text, save_figure
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span, Timeline
@@ -37,17 +38,57 @@ def predicted_timeline(report: RunReport, schedule: Schedule) -> Timeline:
     return simulate(schedule, {op: cost / report.chunks for op, cost in costs.items()})
 
 
+@dataclass(frozen=True)
+class MedianStep:
+    """The one measured step a run's summary quotes and its picture draws.
+
+    It is the step whose step call (on the slowest rank) took the median time, the lower of the two
+    middle ones for an even count. One real step, not a mean over steps: a mean has no picture, and the
+    printed figures must be the ones the picture shows.
+    """
+
+    timeline: Timeline  # its actions, times in seconds from the step's first action
+    seconds: float  # the slowest rank's step call, communication and loss included
+    count: int  # how many measured steps it is the median of
+    index: int  # its place among the run's steps (warm-up included): ``report.timelines[index]``
+
+    @property
+    def which(self) -> str:
+        """How the summary and the picture name this step."""
+        return f"the median of {self.count} steps" if self.count > 1 else "the one measured step"
+
+
+def median_step(report: RunReport) -> MedianStep:
+    """The measured step of median step time (see `MedianStep`)."""
+    first = len(report.timelines) - len(report.measured)
+    seconds = {
+        i: max(run.steps[i].seconds for run in report.ranks) for i in range(first, len(report.timelines))
+    }
+    order = sorted(seconds, key=seconds.__getitem__)
+    middle = order[(len(order) - 1) // 2]
+    return MedianStep(report.timelines[middle], seconds[middle], len(order), middle)
+
+
+def typical_step(report: RunReport) -> Timeline:
+    """What a step of this run usually looks like: `median_step`'s timeline. (The last step may have
+    been stretched by a hiccup of the machine, such as another process taking the core.)"""
+    return median_step(report).timeline
+
+
 def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, batch_size: int) -> list[str]:
-    """The end-of-run table: throughput, bubble against the formula, and per-rank busy/memory/CPU."""
+    """The end-of-run table: the median step's time, throughput and bubble (the figures `draw_runs`
+    puts in its picture's title), the formula and the simulator beside them, then per rank busy
+    share, waits, CPU and memory (means over the measured steps)."""
     p, chunks = len(schedule), report.chunks  # the pipeline's ranks (a replica's, with dp > 1)
     m = report.timelines[0].num_microbatches
-    step = report.step_seconds
+    step = median_step(report)
     formula = bubble_formula(schedule_name, p, m, chunks) if schedule_name in SCHEDULES else None
     predicted = predicted_timeline(report, schedule)
     lines = [
-        f"step time        {step * 1e3:.2f} ms (median of {len(report.measured)} steps), "
-        f"{batch_size / step:,.0f} samples/s",
-        f"bubble           measured {report.bubble_share:.1%} of the step"
+        f"step time        {duration_text(step.seconds * 1e3, 'ms')} ({step.which}, the slowest rank's step "
+        f"call), {batch_size / step.seconds:,.0f} samples/s",
+        f"bubble           measured {step.timeline.bubble_share:.1%} of that step's makespan "
+        f"({duration_text(step.timeline.makespan * 1e3, 'ms')}, first action to last)"
         + (f"; formula {bubble_formula_text(schedule_name)} = {formula:.1%}" if formula is not None else "")
         + f"; simulated with the measured op times {predicted.bubble_share:.1%}",
         "",
@@ -59,22 +100,38 @@ def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, bat
     for rank, run in enumerate(report.ranks):
         peak = report.peak_activation_bytes(rank)
         lines.append(
-            f"{rank:>4}  {report.busy_fraction(rank):5.1%}  {report.wait_fraction(rank):9.1%}  "
+            f"{rank:>4}  {step.timeline.busy_fraction(rank):5.1%}  {_wait_share(step, rank):9.1%}  "
             f"{run.cpu_percent:4.0f}%  {_mib(peak):>15}   {run.peak_rss / MIB:6.0f} MiB"
             + (f"   GPU {run.gpu_utilization:.0f}%" if run.gpu_utilization is not None else "")
             + (f"   CUDA peak {_mib(run.cuda_peak_bytes)}" if run.cuda_peak_bytes is not None else "")
-            + (f"  {report.sync_fraction(rank):7.1%}   {run.host}" if wide else "")
+            + (f"  {_sync_share(report, step, rank):7.1%}   {run.host}" if wide else "")
         )
+    lines.append(
+        "(busy, comm wait" + (", dp sync" if wide else "") + ": shares of that step; "
+        "CPU and RSS: the whole run; peak activations: the largest of any step)"
+    )
     if wide:
-        lines += ["", *_communication_lines(report)]
+        lines += ["", *_communication_lines(report, step)]
     return lines
 
 
-def _communication_lines(report: RunReport) -> list[str]:
+def _wait_share(step: MedianStep, rank: int) -> float:
+    """Share of the step's makespan this rank spent blocked on receives inside its actions."""
+    makespan = step.timeline.makespan
+    return sum(s.wait for s in step.timeline.spans_of(rank)) / makespan if makespan else 0.0
+
+
+def _sync_share(report: RunReport, step: MedianStep, rank: int) -> float:
+    """Share of this rank's step call spent summing gradients across data-parallel replicas."""
+    record = report.ranks[rank].steps[step.index]
+    return record.sync_seconds / record.seconds if record.seconds else 0.0
+
+
+def _communication_lines(report: RunReport, step: MedianStep) -> list[str]:
     """Where the communication time went: pipeline messages against the replicas' gradient sums."""
     ranks = range(len(report.ranks))
-    waits = statistics.fmean(report.wait_fraction(rank) for rank in ranks)
-    syncs = statistics.fmean(report.sync_fraction(rank) for rank in ranks)
+    waits = statistics.fmean(_wait_share(step, rank) for rank in ranks)
+    syncs = statistics.fmean(_sync_share(report, step, rank) for rank in ranks)
     by_host = {host: [r.rank for r in report.ranks if r.host == host] for host in report.hosts}
     nodes = "; ".join(f"{host}: ranks {', '.join(map(str, ranks))}" for host, ranks in by_host.items())
     return [
@@ -118,30 +175,30 @@ def write_trace(report: RunReport, path: str | Path) -> Path:
     return path
 
 
-def typical_step(report: RunReport) -> Timeline:
-    """The measured step of median length: what a step of this run usually looks like. The last step
-    may have been stretched by a hiccup of the machine (another process taking the core)."""
-    steps = sorted(report.measured, key=lambda timeline: timeline.makespan)
-    return steps[(len(steps) - 1) // 2]
-
-
 def draw_runs(
     runs: Sequence[tuple[str, RunReport, Schedule]], path: str | Path, predicted: bool = True
 ) -> Path:
     """Several runs, e.g. two schedules, on one shared time axis in milliseconds, so a shorter step looks
     shorter: for each ``(title, report, schedule)``, its predicted timeline (unless ``predicted`` is
-    False) above its `typical_step`."""
+    False) above its `median_step`."""
+    return save_figure(runs_figure(runs, predicted), path)
+
+
+def runs_figure(runs: Sequence[tuple[str, RunReport, Schedule]], predicted: bool = True):
+    """The matplotlib ``Figure`` `draw_runs` saves. A measured panel's title gives the median step's
+    time, makespan and bubble, as `summary_lines` prints them."""
     panels = []
     for title, report, schedule in runs:
         if predicted:
-            simulated = _in_milliseconds(predicted_timeline(report, schedule))
-            panels.append((f"{title}, predicted (ms)", simulated))
-        panels.append((f"{title}, measured median step (ms)", _in_milliseconds(typical_step(report))))
-    return draw_comparison_png(panels, path)
+            panels.append((f"{title}, predicted", _in_milliseconds(predicted_timeline(report, schedule))))
+        step = median_step(report)
+        measured = f"{title}, measured, {step.which} (step time {duration_text(step.seconds * 1e3, 'ms')})"
+        panels.append((measured, _in_milliseconds(step.timeline)))
+    return comparison_figure(panels, unit="ms")
 
 
 def draw_activations_held(runs: Sequence[tuple[str, RunReport]], path: str | Path) -> Path:
-    """How many micro-batches' activations each rank holds during each run's `typical_step`.
+    """How many micro-batches' activations each rank holds during each run's `median_step`.
 
     One panel per ``(title, report)`` on a shared time axis (ms) and a shared scale, so the schedule
     that needs more memory has the taller curve; each title gives the measured peak bytes per rank.
@@ -159,8 +216,9 @@ def draw_activations_held(runs: Sequence[tuple[str, RunReport]], path: str | Pat
             highest = max(highest, *held)
         peaks = " / ".join(_mib(report.peak_activation_bytes(rank)) for rank in range(timeline.num_ranks))
         per_chunk = f", a chunk counts 1/{timeline.chunks}" if timeline.chunks > 1 else ""
+        which = median_step(report).which
         axes.set_title(
-            f"{title}, measured median step{per_chunk}; peak activations {peaks} (rank 0 first)", loc="left"
+            f"{title}, measured, {which}{per_chunk}; peak activations {peaks} (rank 0 first)", loc="left"
         )
         axes.set_ylabel("micro-batches held")
         axes.spines[["top", "right"]].set_visible(False)
@@ -176,7 +234,7 @@ def draw_activations_held(runs: Sequence[tuple[str, RunReport]], path: str | Pat
 
 
 def measured_ascii(report: RunReport, max_width: int = 150) -> str:
-    """The run's `typical_step` as an ASCII chart for the terminal.
+    """The run's `median_step` as an ASCII chart for the terminal.
 
     A span's time blocked on a receive is drawn as idle (dots), because the rank did no work then: a
     rank that waits for its input does not look busy. The chart is made just wide enough (up to

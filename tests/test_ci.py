@@ -1,0 +1,53 @@
+"""CI's log ends with what failed: pytest runs last, with its one-line-per-failure summary at the end."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY_OPTIONS = {"-q", "-ra", "--tb=short"}
+
+
+def pytest_words(line: str) -> list[str]:
+    words = shlex.split(line.replace("$(BIN)", ".venv/bin"))
+    return words[words.index("pytest") - 2 :]  # PYTHON -m pytest ...
+
+
+def test_ci_runs_pytest_last_and_as_make_test_does():
+    script = [
+        line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")
+    ]
+    assert script[-1].startswith("exec ") and "pytest" in script[-1], "pytest is the last process, not make"
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test:.*\n\t(.*)\n", makefile, re.MULTILINE).group(1)
+    assert pytest_words(script[-1]) == pytest_words(recipe)
+    assert set(pytest_words(recipe)) >= SUMMARY_OPTIONS
+
+
+def test_with_those_options_the_failures_summary_ends_the_output(tmp_path):
+    (tmp_path / "test_example.py").write_text(
+        "def test_passes():\n    assert True\n\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'arithmetic'\n\n"
+        "def test_fails_too():\n    raise RuntimeError('boom')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *sorted(SUMMARY_OPTIONS), "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    lines = done.stdout.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if "short test summary info" in line)
+    tail = lines[header + 1 :]
+    assert [line.split(" - ")[0] for line in tail[:-1]] == [
+        "FAILED test_example.py::test_fails",
+        "FAILED test_example.py::test_fails_too",
+    ]
+    assert "arithmetic" in tail[0] and "boom" in tail[1]
+    assert re.fullmatch(r"2 failed, 1 passed in [\d.]+s", tail[-1]), tail[-1]

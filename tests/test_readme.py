@@ -1,0 +1,170 @@
+"""The README says what the code does: its demo is `make demo`, its Python runs, its commands parse."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def fenced(language: str) -> list[str]:
+    """The README's code blocks in ``language``, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
+
+
+def commands(block: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", block)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def make_recipe(target: str) -> list[str]:
+    """The recipe lines of a Makefile target, with ``$(BIN)`` written as the README writes it."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE).group(1)
+    return [line.strip().replace("$(BIN)", ".venv/bin") for line in recipe.splitlines()]
+
+
+def test_the_readme_shows_exactly_what_make_demo_runs():
+    section = README[README.index("## What `make demo` shows") :]
+    shown = commands(re.search(r"```sh\n(.*?)```", section, re.DOTALL).group(1))
+    assert [shlex.split(line) for line in shown] == [shlex.split(line) for line in make_recipe("demo")]
+    for written in ("--trace", "--png"):  # the files the prose says the demo writes
+        path = shlex.split(shown[0])[shlex.split(shown[0]).index(written) + 1]
+        assert f"`{path}`" in section
+
+
+# --- every command the README shows is one pipeclock accepts -------------------------------------------
+
+
+def pipeclock_words(line: str) -> tuple[str, list[str]] | None:
+    """The pipeclock command and its arguments in a README line, or None for other tools (make...)."""
+    words = shlex.split(line)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words.pop(0)  # environment variables
+    if "pipeclock" not in words:
+        return None
+    after = words[words.index("pipeclock") + 1 :]
+    return after[0], after[1:]
+
+
+def parse(command: str, arguments: list[str]) -> argparse.Namespace:
+    from pipeclock.app import cli
+
+    parser = argparse.ArgumentParser(prog=f"pipeclock {command}", exit_on_error=False)
+    cli._command_module(command).add_arguments(parser)
+    return parser.parse_args(arguments)
+
+
+def test_every_pipeclock_command_in_the_readme_parses():
+    shown = [found for block in fenced("sh") for line in commands(block) if (found := pipeclock_words(line))]
+    assert len(shown) >= 15, "the README's command lines were found"
+    for command, arguments in shown:
+        try:
+            parse(command, arguments)
+        except (argparse.ArgumentError, SystemExit) as error:
+            pytest.fail(f"README: pipeclock {command} {shlex.join(arguments)}: {error}")
+
+
+# --- the Python snippets run, as they are, on real processes ------------------------------------------
+
+
+SNIPPETS = fenced("python")
+INTERLEAVED = {"num_stages=world)": "num_stages=world, chunks=2)", '"1f1b"': '"interleaved-1f1b"'}
+
+
+def with_changes(snippet: str, changes: dict[str, str]) -> str:
+    for old, new in changes.items():
+        assert old in snippet, f"the README snippet no longer has {old!r}"
+        snippet = snippet.replace(old, new)
+    return snippet
+
+
+def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
+    """Each snippet run as a script would run it on this rank; what its optimizer and pipeline hold.
+
+    The snippets share this launch's process group: a snippet's ``comms.shutdown()`` is skipped, since
+    leaving the group and joining again at once on the same port can race with the other rank.
+    """
+    from pipeclock import comms
+
+    leave, comms.shutdown = comms.shutdown, lambda: None
+    results = []
+    try:
+        for snippet in snippets:
+            scope: dict = {"__name__": "__main__"}
+            exec(compile(snippet, "README.md", "exec"), scope)
+            optimized = {id(p) for group in scope["optimizer"].param_groups for p in group["params"]}
+            held = {id(p) for chunk in scope["pipe"].chunks for p in chunk.parameters()}
+            chunks = len(scope["pipe"].chunks)
+            results.append({"loss": scope["loss"], "chunks": chunks, "all": optimized == held})
+    finally:
+        comms.shutdown = leave
+    return results
+
+
+def test_the_readmes_python_snippets_run_and_optimize_every_chunk():
+    own_model, mesh = SNIPPETS  # "Using it on your own model", then the (dp, pp) mesh
+    snippets = [own_model, with_changes(own_model, INTERLEAVED), mesh]
+    ranks = run_ok(run_snippets, 2, snippets, timeout=60.0)
+    for rank, results in enumerate(ranks):
+        assert [result["chunks"] for result in results] == [1, 2, 1], rank
+        assert all(result["all"] for result in results), "the optimizer holds every chunk's parameters"
+        assert all(result["loss"] == other["loss"] for result, other in zip(results, ranks[0], strict=True))
+
+
+# --- what the README points to exists ---------------------------------------------------------------
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_and_anchor_in_the_readme_exists():
+    for target in re.findall(r"\]\(([^)]+)\)", README):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        assert (ROOT / path).exists(), f"README links to {path}, which is missing"
+        if anchor:
+            headings = re.findall(r"^#+ (.*)$", (ROOT / path).read_text(), re.MULTILINE)
+            assert anchor in {slug(heading) for heading in headings}, f"README links to {target}"
+
+
+def layout_listing() -> set[str]:
+    """The modules (and folders, ending in /) the README's layout names, as paths under pipeclock/."""
+    block = README[README.index("## How the code is laid out") :].split("```")[1]
+    listed, folder = set(), ""
+    for line in block.splitlines()[2:]:  # after the opening fence and "pipeclock/"
+        indent, first = len(line) - len(line.lstrip()), re.split(r"\s{2,}", line.strip())[0]
+        if indent == 0:
+            break
+        if indent == 2 and first.endswith("/"):
+            folder = first
+            continue
+        names = re.findall(r"\w+\.py|\w+/", first)
+        listed |= {(folder if indent > 2 else "") + name for name in names}
+    return listed
+
+
+def test_the_readmes_layout_names_every_module_and_only_real_ones():
+    listed = layout_listing()
+    modules = {
+        str(path.relative_to(ROOT / "pipeclock"))
+        for path in (ROOT / "pipeclock").rglob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
+    folders = {name for name in listed if name.endswith("/")}
+    unlisted = {m for m in modules - listed if not any(m.startswith(folder) for folder in folders)}
+    assert not unlisted, f"modules the README's layout does not name: {sorted(unlisted)}"
+    assert not {name for name in listed - folders if name not in modules}, "the layout names missing modules"

@@ -1,0 +1,76 @@
+"""What a run prints at its end and what its picture shows are the same step's figures."""
+
+from __future__ import annotations
+
+import re
+
+from pipeclock.engine.generators import one_f_one_b
+from pipeclock.engine.orchestrator import StepRecord
+from pipeclock.observe.metrics import RankRun, RunReport
+from pipeclock.observe.report import median_step, runs_figure, summary_lines
+from pipeclock.observe.simulate import simulate
+from pipeclock.observe.timeline import Span
+
+SCHEDULE = one_f_one_b(2, 4)
+
+
+def recorded_run(steps: list[tuple[float, float, float]]) -> RunReport:
+    """Two ranks' records of 1F1B steps: for each step (seconds per simulator unit, an idle gap in the
+    middle of rank 1's step, the step call's overhead beyond the last action), the simulator's spans,
+    stretched, each step starting where the last one's call ended."""
+    records: list[list[StepRecord]] = [[], []]
+    clock = 100.0
+    for unit, gap, overhead in steps:
+        spans = [
+            Span(s.rank, s.action, clock + s.start * unit, clock + s.end * unit)
+            for s in simulate(SCHEDULE).spans
+        ]
+        middle = clock + 6 * unit
+        spans = [
+            Span(s.rank, s.action, s.start + gap, s.end + gap) if s.rank == 1 and s.start >= middle else s
+            for s in spans
+        ]
+        end = max(s.end for s in spans)
+        for rank in (0, 1):
+            mine = [s for s in spans if s.rank == rank]
+            records[rank].append(StepRecord(1.0, end - clock + overhead, mine, 1024))
+        clock = end + overhead
+    return RunReport([RankRun(rank, records[rank], 50.0, 2**28) for rank in (0, 1)])
+
+
+# a warm-up, then three steps: the median step is the first measured one, and its bubble is not the mean
+RUN = [(0.004, 0.0, 0.002), (0.001, 0.004, 0.0005), (0.0011, 0.0, 0.0003), (0.0009, 0.008, 0.0008)]
+
+
+def figures(text: str) -> dict[str, str]:
+    """The step time, makespan and bubble named in a printed line or a picture's title."""
+    found = {
+        "step time": re.search(r"step time\s+([\d.]+ ms)", text),
+        "makespan": re.search(r"makespan (?:\()?([\d.]+ ms)", text),
+        "bubble": re.search(r"(?:measured |bubble )([\d.]+%)", text),
+        "which": re.search(r"(the median of \d+ steps)", text),
+    }
+    return {name: match.group(1) for name, match in found.items() if match}
+
+
+def test_the_summary_and_the_picture_quote_the_same_median_step():
+    report = recorded_run(RUN)
+    step = median_step(report)
+    assert step.count == 3 and step.timeline is report.measured[0]
+    assert round(step.timeline.bubble_share, 3) != round(report.bubble_share, 3), "the mean is another figure"
+    printed = "\n".join(summary_lines(report, "1f1b", SCHEDULE, batch_size=32))
+    figure = runs_figure([("1f1b", report, SCHEDULE)])
+    predicted, measured = (axes.get_title(loc="left") for axes in figure.axes)
+    said = figures(printed)
+    assert len(said) == 4, printed
+    assert said == figures(measured), f"{printed}\n---\n{measured}"
+    assert said["step time"] == f"{step.seconds * 1e3:.2f} ms"
+    assert said["bubble"] == f"{step.timeline.bubble_share:.1%}"
+    simulated = re.search(r"simulated with the measured op times ([\d.]+%)", printed).group(1)
+    assert f"bubble {simulated}" in predicted
+    assert figure.axes[-1].get_xlabel() == "time (ms)"
+    assert median_step(recorded_run(RUN[:2])).which == "the one measured step"
+    busy = [float(share) / 100 for share in re.findall(r"^\s+[01]\s+([\d.]+)%", printed, re.MULTILINE)]
+    assert abs(1 - sum(busy) / 2 - step.timeline.bubble_share) < 0.001, (
+        "the ranks' busy shares are that step's"
+    )
