@@ -57,7 +57,10 @@ def test_the_summary_and_the_picture_quote_the_same_median_step():
     report = recorded_run(RUN)
     step = median_step(report)
     assert step.count == 3 and step.timeline is report.measured[0]
-    assert round(step.timeline.bubble_share, 3) != round(report.bubble_share, 3), "the mean is another figure"
+    mean = sum(t.bubble_share for t in report.measured) / len(report.measured)
+    assert round(step.timeline.bubble_share, 3) != round(mean, 3), "the mean is another figure"
+    assert report.bubble_share == step.timeline.bubble_share, "the report's headline bubble is that step's"
+    assert report.step_seconds == step.seconds and report.busy_fraction(1) == step.timeline.busy_fraction(1)
     printed = "\n".join(summary_lines(report, "1f1b", SCHEDULE, batch_size=32))
     figure = runs_figure([("1f1b", report, SCHEDULE)])
     predicted, measured = (axes.get_title(loc="left") for axes in figure.axes)

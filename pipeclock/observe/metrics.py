@@ -121,19 +121,30 @@ class RunReport:
     def measured(self) -> list[Timeline]:
         return self.timelines[self.warmup :]
 
+    def seconds_of(self, step: int) -> float:
+        """A step's time: the slowest rank's ``step`` call, which includes its communication."""
+        return max(r.steps[step].seconds for r in self.ranks)
+
+    @property
+    def median_index(self) -> int:
+        """The measured step of median step time (the lower middle one for an even count): the step the
+        headline figures and the pictures describe, one real step rather than an average of several."""
+        measured = range(self.warmup, len(self.timelines))
+        return sorted(measured, key=self.seconds_of)[(len(measured) - 1) // 2]
+
     @property
     def step_seconds(self) -> float:
-        """Median step time: the slowest rank's ``step`` call, which includes its communication."""
-        per_step = [max(r.steps[i].seconds for r in self.ranks) for i in range(len(self.timelines))]
-        return statistics.median(per_step[self.warmup :])
+        """The median step's time."""
+        return self.seconds_of(self.median_index)
 
     @property
     def bubble_share(self) -> float:
-        """Mean over steps of 1 - compute time / (ranks x step span): the measured bubble."""
-        return statistics.fmean(t.bubble_share for t in self.measured)
+        """The median step's bubble: 1 - compute time / (ranks x step span)."""
+        return self.timelines[self.median_index].bubble_share
 
     def busy_fraction(self, rank: int) -> float:
-        return statistics.fmean(t.busy_fraction(rank) for t in self.measured)
+        """The share of the median step ``rank`` spent computing."""
+        return self.timelines[self.median_index].busy_fraction(rank)
 
     def wait_fraction(self, rank: int) -> float:
         """Share of the step this rank spent blocked on receives inside its actions."""

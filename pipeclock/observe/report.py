@@ -60,13 +60,8 @@ class MedianStep:
 
 def median_step(report: RunReport) -> MedianStep:
     """The measured step of median step time (see `MedianStep`)."""
-    first = len(report.timelines) - len(report.measured)
-    seconds = {
-        i: max(run.steps[i].seconds for run in report.ranks) for i in range(first, len(report.timelines))
-    }
-    order = sorted(seconds, key=seconds.__getitem__)
-    middle = order[(len(order) - 1) // 2]
-    return MedianStep(report.timelines[middle], seconds[middle], len(order), middle)
+    middle = report.median_index
+    return MedianStep(report.timelines[middle], report.seconds_of(middle), len(report.measured), middle)
 
 
 def typical_step(report: RunReport) -> Timeline:
