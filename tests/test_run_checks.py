@@ -48,6 +48,6 @@ def test_ranks_started_with_different_settings_all_refuse_naming_each_ranks_valu
     for outcome in outcomes:
         assert outcome.ok, outcome.error
         assert outcome.value == (
-            f"rank {outcome.rank}: the ranks were started with different settings "
-            "(--layers: rank 0 8, rank 1 6; --steps: rank 0 3, rank 1 4)"
+            f"rank {outcome.rank}: ranks disagree on the run: "
+            "--layers is 8 on rank 0 and 6 on rank 1; --steps is 3 on rank 0 and 4 on rank 1"
         )

@@ -9,6 +9,9 @@ are one clear error, not a traceback from deep inside.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 
 from pipeclock import comms
@@ -50,6 +53,11 @@ def check_values(config) -> None:
         raise ValueError(f"--recompute must be {POLICY_HELP}, got {config.recompute!r}") from None
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be {' or '.join(DTYPES)}, got {config.dtype!r}")
+    if config.model == "gpt" and config.dim % config.heads:
+        raise ValueError(
+            f"--dim {config.dim} is not divisible by --heads {config.heads}: "
+            "each head takes dim / heads channels"
+        )
     _check_data_parallel(config)
 
 
@@ -60,6 +68,11 @@ def _check_data_parallel(config) -> None:
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
         raise ValueError(f"--clip-grad-norm must be > 0, got {config.clip_grad_norm}")
     smallest_shard = config.batch_size // config.dp
+    if config.dp == 1 and config.batch_size < config.microbatches:
+        raise ValueError(
+            f"--batch-size {config.batch_size} cannot be split into --microbatches {config.microbatches}: "
+            "each micro-batch needs at least one sample"
+        )
     if config.dp > 1 and smallest_shard < config.microbatches:
         raise ValueError(
             f"--batch-size {config.batch_size} is the global batch: split over --dp {config.dp} replicas, "
@@ -68,19 +81,74 @@ def _check_data_parallel(config) -> None:
         )
 
 
+def check_world(config, world: int) -> None:
+    """What needs the number of processes: ``--dp`` divides them into equal pipelines."""
+    if world % config.dp:
+        raise ValueError(
+            f"--dp {config.dp} does not divide the {world} process(es) into equal pipelines "
+            f"(processes = dp x pp): use a --dp that divides {world}"
+        )
+
+
 def agree(config) -> None:
-    """Every rank runs the same configuration, or every rank raises the same ``ValueError``."""
+    """Every rank runs the same configuration, or every rank raises the same ``ValueError``.
+
+    The gather has the run's timeout (the process group's), so a rank that never gets here is a
+    ``CommTimeoutError`` naming the others, not a hang.
+    """
     mine = {f.name: getattr(config, f.name) for f in fields(config)}
     everyone = comms.all_gather_object(mine, "agreeing on the run's configuration")
-    differing = sorted({name for other in everyone for name in mine if other[name] != everyone[0][name]})
+    differing = [name for name in mine if any(other[name] != everyone[0][name] for other in everyone)]
     if differing:
         described = "; ".join(
-            f"{_flag(name)}: " + ", ".join(f"rank {r} {values[name]!r}" for r, values in enumerate(everyone))
-            for name in differing
+            _who_has_what(_flag(name), [values[name] for values in everyone]) for name in differing
         )
-        raise ValueError(
-            f"rank {comms.get_rank()}: the ranks were started with different settings ({described})"
+        raise ValueError(f"rank {comms.get_rank()}: ranks disagree on the run: {described}")
+
+
+def _who_has_what(flag: str, values: list) -> str:
+    """``--layers is 8 on rank 0 and 6 on ranks 1, 2``: each value once, with the ranks that have it."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault(
+            repr(value) if isinstance(value, str) or value is None else str(value), []
+        ).append(rank)
+    parts = [f"{value} on {_ranks(ranks)}" for value, ranks in ranks_of.items()]
+    return f"{flag} is " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_loss(loss: float, step: int) -> None:
+    """Stop on a loss that is not a finite number, before the optimizer step spreads it to the weights.
+
+    The loss is the global batch's, the same float on every rank, so every rank stops at the same step;
+    nothing after it (optimizer step, checkpoint) runs, so no checkpoint holds the poisoned weights.
+    """
+    if not math.isfinite(loss):
+        raise LossNotFiniteError(
+            f"rank {comms.get_rank()}: the loss is {loss} at step {step}; stopped before that step's "
+            f"optimizer step, so the weights and any checkpoint hold only the {step} step(s) before it "
+            "(lower --lr, or bound the updates with --clip-grad-norm)"
         )
+
+
+class LossNotFiniteError(ValueError):
+    """The training loss became NaN or infinite: the run cannot go on."""
+
+
+@contextmanager
+def naming_the_rank() -> Iterator[None]:
+    """A ``ValueError`` raised while the run is set up names the rank that raised it."""
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if not text.startswith("rank "):
+            error.args = (f"rank {comms.get_rank()}: {text}",)
+        raise
 
 
 def _at_least(name: str, value, minimum: int) -> None:

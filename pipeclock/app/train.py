@@ -27,7 +27,8 @@ import torch
 from pipeclock import comms
 from pipeclock.app import checkpoint
 from pipeclock.app.balance import check_balance, stage_cut
-from pipeclock.app.run_checks import agree, check_values
+from pipeclock.app.memory_fit import check_fits
+from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
 from pipeclock.app.tasks import make_task
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
@@ -173,8 +174,9 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     comms.init(timeout=config.timeout)
     agree(config)
     _check_checkpointing(config)
-    task = make_task(config)
-    pipe, modules, shard = _build_pipeline(config, task)
+    with naming_the_rank():
+        task = _checked_task(config)
+        pipe, modules, shard = _build_pipeline(config, task)
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
     start = resumed.step if resumed else 0
@@ -187,6 +189,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
         inputs, targets = task.batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         losses.append(pipe.step(inputs[shard], targets[shard]))
+        check_loss(losses[-1], step)
         if config.clip_grad_norm is not None:
             clip_grad_norm(pipe, config.clip_grad_norm)
         optimizer.step()
@@ -204,6 +207,16 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
     return result
+
+
+def _checked_task(config: TrainConfig):
+    """The task, once the run is known to fit the processes and (the planner's estimate) the memory."""
+    world = comms.get_world_size()
+    check_world(config, world)
+    task = make_task(config)
+    pp = world // config.dp
+    check_fits(config, config.table(pp), comms.get_rank() % pp, comms.device())
+    return task
 
 
 def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.Module], slice]:
