@@ -170,7 +170,7 @@ def _wrong_usages(rank: int, world: int, tmp: str) -> dict[str, str]:
         outcomes[case.usage] = _outcome(run)
     pipeline = _bad_configurations(rank, world)
     for case, key in zip(PIPELINE_CASES, PIPELINE_KEYS, strict=True):
-        outcomes[case.usage] = pipeline[key].split(": ", 1)[1].splitlines()[0]
+        outcomes[case.usage] = " ".join(line.strip() for line in pipeline[key].split(": ", 1)[1].splitlines())
     outcomes["peak memory (KiB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if rank == 0:  # the last case: rank 1 has left (no linger), and rank 0 waits on it
         outcomes[STOPPED_PEER.usage] = _outcome(lambda: comms.gather_object("figures", "gathering figures"))
@@ -230,7 +230,7 @@ def test_every_wrong_usage_is_one_error_naming_the_rank_and_the_cause(launch):
 
 
 def _for_rank(message: str, rank: int) -> str:
-    return message.replace(f"rank {rank}: ", "rank R: ", 1)
+    return re.sub(f"^rank {rank}: ", "rank R: ", message)
 
 
 def test_a_model_too_large_is_refused_before_anything_is_allocated(launch):
@@ -260,14 +260,14 @@ def test_a_peer_that_stopped_is_named_not_the_rank_that_reports_it(launch):
 
 def _table_rows(by_rank: list[dict[str, str]]) -> list[str]:
     rows = [
-        "| wrong usage | reported by | the message (after `pipeclock train: error:` on the command line) |"
+        "| wrong usage | reported by | the message (on the command line, after `pipeclock train: error:`) |"
     ]
     rows.append("|---|---|---|")
     for case in ALL_CASES:
         rank = case.reporter if case.reporter is not None else 0
         who = f"rank {rank}" if case.reporter is not None else "every rank"
         message = re.sub(
-            r"but it has [^;]*;", "but it has (the memory free for it);", by_rank[rank][case.usage]
+            r"but it has [^;]*;", "but it has (this machine's memory);", by_rank[rank][case.usage]
         )
         rows.append(f"| {case.usage} | {who} | {message.replace('|', '&#124;')} |")
     return rows
