@@ -47,7 +47,7 @@ class Case:
     names_rank: bool = True  # False: found from the command line alone, before the ranks join
 
 
-# --- a training run asked for something that cannot work: every rank stops before the first step -----
+# --- a training run asked for something that cannot work: every rank stops, at the same point ---------
 
 # Each case's ``TrainConfig`` fields (files are in the launch's folder), and what rank 1 asks differently.
 TRAIN_CASES: list[tuple[Case, dict, dict]] = [
@@ -64,7 +64,7 @@ TRAIN_CASES: list[tuple[Case, dict, dict]] = [
      dict(SMALL, chunks=2), {}),
     (Case("fewer layers than stages x chunks", ("3 layers", "4 stages")),
      dict(SMALL, layers=3, schedule="interleaved-1f1b"), {}),
-    (Case("a GPT whose `--dim` is not divisible by `--heads`", ("--dim 30", "--heads 4"), names_rank=False),
+    (Case("a GPT whose `--dim` is not divisible by `--heads`", ("dim 30", "heads 4")),
      dict(model="gpt", dim=30, heads=4, layers=2, steps=1, batch_size=4, seq_len=16), {}),
     (Case("a `--schedule-csv` for another number of ranks", ("three.csv", "3 ranks, not 2")),
      dict(SMALL, schedule_csv="three.csv"), {}),

@@ -4,7 +4,9 @@ Each rank reads its own command line. Two ranks started with different ``--layer
 that do not fit together, and different ``--steps`` would leave one rank waiting in a collective the
 others never join: so before the first step every rank shares its whole configuration and all refuse,
 naming each rank's values, if any differ. Values that cannot work (``--steps 0``, ``--timeout -1``)
-are one clear error, not a traceback from deep inside.
+and flags that cannot work together (a batch too small for ``--dp`` x ``--microbatches``) are one
+clear error, not a traceback from deep inside; an error found while the run is set up names its rank.
+Once it runs, a loss that is not a finite number stops it (``check_loss``).
 """
 
 from __future__ import annotations
@@ -53,11 +55,6 @@ def check_values(config) -> None:
         raise ValueError(f"--recompute must be {POLICY_HELP}, got {config.recompute!r}") from None
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be {' or '.join(DTYPES)}, got {config.dtype!r}")
-    if config.model == "gpt" and config.dim % config.heads:
-        raise ValueError(
-            f"--dim {config.dim} is not divisible by --heads {config.heads}: "
-            "each head takes dim / heads channels"
-        )
     _check_data_parallel(config)
 
 

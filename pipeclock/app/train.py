@@ -169,7 +169,9 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     """Run the steps up to ``config.steps``; ``on_step(step, loss)`` is called on every rank after each.
 
     For a language model ``on_eval(steps_done, loss)`` follows each validation (every ``eval_every``
-    steps and after the last).
+    steps and after the last). Before the first step the ranks agree on the configuration, and the
+    processes and (the planner's estimate) the memory are checked to fit it; a loss that is not a finite
+    number stops every rank at that step, before its optimizer step and any checkpoint of it.
     """
     comms.init(timeout=config.timeout)
     agree(config)
