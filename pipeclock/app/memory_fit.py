@@ -37,6 +37,8 @@ class ModelTooLargeError(ValueError):
 
 def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
     """The planner's bytes for ``pipeline_rank``'s part of the model under ``table``, by kind."""
+    if len(piece_parameters(config)) < table.placement.num_virtual:
+        return {}  # no cut exists: building the stage says why, in the model's own words
     training = Training(config.dtype, "adam", Recompute.parse(config.recompute))
     parameters = rank_parameters(config, table, pipeline_rank)
     shared_by = config.dp if config.data_parallel == "fsdp" else 1  # FSDP2 shards them over the replicas
