@@ -58,7 +58,7 @@ TRAIN_CASES: list[tuple[Case, dict, dict]] = [
     (Case("a batch too small for `--dp` x `--microbatches`", ("--batch-size 4", "--dp 2", "--microbatches"),
           names_rank=False),
      dict(SMALL, batch_size=4, dp=2, microbatches=4), {}),
-    (Case("a batch smaller than `--microbatches`", ("--batch-size 4", "--microbatches 8"), names_rank=False),
+    (Case("a batch smaller than `--microbatches`", ("batch of 4 samples", "8 micro-batches")),
      dict(SMALL, batch_size=4, microbatches=8), {}),
     (Case("`--chunks` for a schedule of one chunk per rank", ("'1f1b'", "chunks=2")),
      dict(SMALL, chunks=2), {}),

@@ -65,11 +65,6 @@ def _check_data_parallel(config) -> None:
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
         raise ValueError(f"--clip-grad-norm must be > 0, got {config.clip_grad_norm}")
     smallest_shard = config.batch_size // config.dp
-    if config.dp == 1 and config.batch_size < config.microbatches:
-        raise ValueError(
-            f"--batch-size {config.batch_size} cannot be split into --microbatches {config.microbatches}: "
-            "each micro-batch needs at least one sample"
-        )
     if config.dp > 1 and smallest_shard < config.microbatches:
         raise ValueError(
             f"--batch-size {config.batch_size} is the global batch: split over --dp {config.dp} replicas, "
