@@ -44,7 +44,7 @@ class Case:
     usage: str  # the wrong usage, as the page lists it
     names: tuple[str, ...]  # what its message must say besides the rank: the flags or the thing at fault
     reporter: int | None = None  # the one rank that reports it; None: every rank, in the same words
-    names_rank: bool = True  # False: found from the command line alone, before the ranks join
+    names_rank: bool = True  # False: a mistake in the flags or the schedule alone, the same on any rank
 
 
 # --- a training run asked for something that cannot work: every rank stops, at the same point ---------
@@ -124,14 +124,6 @@ ALL_CASES = (
 )
 
 
-def _train_error(fields: dict) -> str:
-    try:
-        train(TrainConfig(**fields))
-    except (ValueError, comms.CommError, StageError) as error:
-        return _first_line(error)
-    return "no error"
-
-
 def _library_runs(rank: int, world: int) -> list:
     """What each of ``LIBRARY_CASES`` does; a mistake one rank would notice alone runs on a pipeline of
     that rank only, so the other rank does not wait for it."""
@@ -153,6 +145,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _outcome(run) -> str:
+    """The first line of the error ``run()`` raised ("no error" if none)."""
     try:
         run()
     except (ValueError, comms.CommError, StageError) as error:
@@ -165,7 +158,8 @@ def _wrong_usages(rank: int, world: int, tmp: str) -> dict[str, str]:
     os.chdir(tmp)  # files by their names, as a user gives them
     outcomes = {}
     for case, fields, on_rank_1 in TRAIN_CASES:
-        outcomes[case.usage] = _train_error(fields | (on_rank_1 if rank == 1 else {}))
+        asked = fields | (on_rank_1 if rank == 1 else {})
+        outcomes[case.usage] = _outcome(lambda: train(TrainConfig(**asked)))  # noqa: B023 - called at once
     for case, run in zip(LIBRARY_CASES, _library_runs(rank, world), strict=True):
         outcomes[case.usage] = _outcome(run)
     pipeline = _bad_configurations(rank, world)
