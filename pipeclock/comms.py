@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,10 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(_local_rank())
-        dist.init_process_group(backend, timeout=limit)
+        try:
+            dist.init_process_group(backend, timeout=limit)
+        except dist.DistError as error:  # the store's timeouts: a rank or the store never came
+            raise _not_joined(error, timeout) from None
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
     if backend != "nccl":
@@ -92,6 +96,31 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     if backend == "nccl":
         _create_channel_groups()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _not_joined(error: dist.DistError, timeout: float) -> CommTimeoutError:
+    """What a rendezvous that never completed was waiting for, in the launcher's terms.
+
+    The store's own messages speak of clients, sockets and keys; a user needs to know which rank did
+    not come and what to check: that every rank started, and with the same world size.
+    """
+    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    missing = re.search(r"keys: .*/(\d+)\s*$", text)
+    if joined:
+        waited = f"the other ranks to join the store at {store} ({joined[1]} of {joined[2]} ranks came)"
+    elif missing:
+        waited = f"rank {missing[1]} to join the process group of {world} ranks"
+    elif "connect" in text:
+        waited = f"rank 0's store at {store} (rank 0 hosts it)"
+    else:
+        waited = f"the process group of {world} ranks ({text})"
+    return CommTimeoutError(
+        f"rank {rank}: waited {timeout:g}s for {waited}; did all {world} ranks start (WORLD_SIZE={world}: "
+        "--nnodes x --nproc-per-node), with the same world size on every node?"
+    )
 
 
 def shutdown() -> None:
@@ -186,29 +215,57 @@ def get_prev_rank() -> int | None:
 # --- waiting with a timeout, and errors that say what happened ----------------------------------------
 
 
-def wait(work: dist.Work, what: str, peer: int | None = None) -> None:
-    """Wait for ``work`` at most the timeout; turn gloo/nccl errors into a ``CommError`` naming ranks."""
+_ANYONE = object()  # the group when a caller does not say which ranks it waited on
+
+
+def wait(work: dist.Work, what: str, peer: int | None = None, group=_ANYONE) -> None:
+    """Wait for ``work`` at most the timeout; turn gloo/nccl errors into a ``CommError`` naming ranks.
+
+    ``peer`` is the rank a point-to-point call waits on; for a collective, the other ranks of ``group``
+    (None: the whole world).
+    """
     try:
         work.wait(datetime.timedelta(seconds=_timeout))
     except RuntimeError as error:
-        raise explain(error, what, peer) from error
+        raise explain(error, what, peer, group) from error
 
 
-def explain(error: RuntimeError, what: str, peer: int | None = None) -> CommError:
-    """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and ``peer``."""
+def explain(error: RuntimeError, what: str, peer: int | None = None, group=_ANYONE) -> CommError:
+    """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and the
+    ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer".
+    Never this rank itself: the rank that reports is alive, the question is about the others."""
     text = str(error)
     who = f"rank {get_rank()}"
-    other = f"rank {peer}" if peer is not None else "a peer"
+    others = _others(peer, group)
+    other = _ranks(others)
     if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
-        return PeerGoneError(
-            f"{who}: lost the connection to {other} while {what}; {other} most likely died (see its log)"
-        )
+        died = f"{other} most likely died" if len(others) <= 1 else f"one of {other} most likely died"
+        return PeerGoneError(f"{who}: lost the connection to {other} while {what}; {died} (see its log)")
     if "imed out" in text or "timeout" in text.lower():
+        verb = "are" if len(others) > 1 else "is"
         return CommTimeoutError(
-            f"{who}: {what} did not complete within {_timeout:g}s; is {other} alive and running the "
+            f"{who}: {what} did not complete within {_timeout:g}s; {verb} {other} alive and running the "
             "same step and schedule?"
         )
     return CommError(f"{who}: {what} failed: {text.splitlines()[0]}")
+
+
+def _others(peer: int | None, group) -> list[int]:
+    """The ranks a failed call waited on: ``peer`` if it is another rank, else the rest of ``group``."""
+    me = get_rank()
+    if peer is not None and peer != me:
+        return [peer]
+    if group is _ANYONE or not dist.is_initialized():
+        return []
+    return [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != me]
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "a peer"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
 # --- unchecked non-blocking point-to-point (the orchestrator's hot path) ------------------------------
@@ -360,7 +417,7 @@ def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
 def all_gather(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape everywhere; the ranks of ``group``), within the timeout."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    wait(dist.all_gather(gathered, tensor, group=group, async_op=True), what)
+    wait(dist.all_gather(gathered, tensor, group=group, async_op=True), what, group=group)
     return gathered
 
 
@@ -368,13 +425,13 @@ def broadcast(
     tensor: torch.Tensor, src: int, what: str, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``src``'s ``tensor`` on every rank (of ``group``; ``src`` is a global rank), in place, in time."""
-    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src)
+    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src, group)
     return tensor
 
 
 def all_reduce(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The sum of ``tensor`` over the ranks (of ``group``), in place, within the timeout."""
-    wait(dist.all_reduce(tensor, group=group, async_op=True), what)
+    wait(dist.all_reduce(tensor, group=group, async_op=True), what, group=group)
     return tensor
 
 
@@ -387,13 +444,13 @@ def all_gather_object(obj: object, what: str, group: dist.ProcessGroup | None = 
     try:
         dist.all_gather_object(gathered, obj, group=group)
     except RuntimeError as error:
-        raise explain(error, what) from error
+        raise explain(error, what, group=group) from error
     return gathered
 
 
 def barrier(what: str = "waiting at a barrier") -> None:
     """Wait until every rank arrives, within the timeout."""
-    wait(dist.barrier(async_op=True), what)
+    wait(dist.barrier(async_op=True), what, group=None)
 
 
 def gather_object(obj: object, what: str, dst: int = 0) -> list[object] | None:
@@ -404,5 +461,5 @@ def gather_object(obj: object, what: str, dst: int = 0) -> list[object] | None:
     try:
         dist.gather_object(obj, gathered, dst=dst)
     except RuntimeError as error:
-        raise explain(error, what, dst) from error
+        raise explain(error, what, dst, None) from error
     return gathered

@@ -1,11 +1,17 @@
-"""A run refuses, in one line and before its first step, values that cannot work and ranks that disagree."""
+"""A run refuses, in one line and before its first step, values that cannot work and ranks that disagree.
+
+Ranks that disagree, and every other wrong usage that needs processes, are in tests/test_bad_input.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeclock.app.train import TrainConfig, train
-from tests.distributed import run_ranks
+from pipeclock.app.memory_fit import rank_parameters
+from pipeclock.app.run_checks import _who_has_what
+from pipeclock.app.tasks import RegressionTask
+from pipeclock.app.train import TrainConfig, unique_parameters
+from pipeclock.models.gpt import GPT, GPTConfig
 
 
 @pytest.mark.parametrize(
@@ -29,21 +35,29 @@ def test_a_value_that_cannot_work_is_refused_by_the_config_itself(values, messag
     assert str(refused.value) == message
 
 
-def disagreeing(rank: int, world: int) -> str:
-    layers = 8 if rank == 0 else 6
-    steps = 3 if rank == 0 else 4
-    try:
-        train(TrainConfig(hidden=16, layers=layers, steps=steps, batch_size=8))
-    except ValueError as error:
-        return str(error)
-    return "no error"
+@pytest.mark.parametrize(
+    "fields, world",
+    [
+        (dict(hidden=8, layers=5), 2),
+        (dict(hidden=8, layers=6, schedule="interleaved-1f1b"), 2),
+        (dict(model="gpt", dim=16, heads=2, layers=3, seq_len=8, batch_size=4), 1),  # embedding and head tied
+        (dict(model="gpt", dim=16, heads=2, layers=3, seq_len=8, batch_size=4), 2),
+        (dict(model="gpt", dim=16, heads=2, layers=4, seq_len=8, batch_size=4, schedule="zb-v"), 2),
+    ],
+)
+def test_the_memory_check_counts_each_ranks_parameters_as_building_its_stage_would(fields, world):
+    config = TrainConfig(**fields)
+    table = config.table(world)
+    for rank in range(world):
+        if config.model == "mlp":
+            modules = RegressionTask(config).build(rank, world, table.placement)
+        else:
+            gpt = GPTConfig(dim=config.dim, layers=config.layers, heads=config.heads, seq_len=config.seq_len)
+            modules = GPT.for_rank(gpt, rank, world, len(table.placement.stages[rank]), table.placement)
+        built = sum(p.numel() for p in unique_parameters(modules))
+        assert rank_parameters(config, table, rank) == built
 
 
-def test_ranks_started_with_different_settings_all_refuse_naming_each_ranks_values():
-    outcomes = run_ranks(disagreeing, 2, timeout=10)
-    for outcome in outcomes:
-        assert outcome.ok, outcome.error
-        assert outcome.value == (
-            f"rank {outcome.rank}: the ranks were started with different settings "
-            "(--layers: rank 0 8, rank 1 6; --steps: rank 0 3, rank 1 4)"
-        )
+def test_ranks_that_disagree_are_grouped_by_value():
+    assert _who_has_what("--layers", [8, 6, 8]) == "--layers is 8 on ranks 0, 2 and 6 on rank 1"
+    assert _who_has_what("--data", ["a.txt", None]) == "--data is 'a.txt' on rank 0 and None on rank 1"

@@ -4,11 +4,16 @@ Each rank reads its own command line. Two ranks started with different ``--layer
 that do not fit together, and different ``--steps`` would leave one rank waiting in a collective the
 others never join: so before the first step every rank shares its whole configuration and all refuse,
 naming each rank's values, if any differ. Values that cannot work (``--steps 0``, ``--timeout -1``)
-are one clear error, not a traceback from deep inside.
+and flags that cannot work together (a batch too small for ``--dp`` x ``--microbatches``) are one
+clear error, not a traceback from deep inside; an error found while the run is set up names its rank.
+Once it runs, a loss that is not a finite number stops it (``check_loss``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 
 from pipeclock import comms
@@ -68,19 +73,74 @@ def _check_data_parallel(config) -> None:
         )
 
 
+def check_world(config, world: int) -> None:
+    """What needs the number of processes: ``--dp`` divides them into equal pipelines."""
+    if world % config.dp:
+        raise ValueError(
+            f"--dp {config.dp} does not divide the {world} process(es) into equal pipelines "
+            f"(processes = dp x pp): use a --dp that divides {world}"
+        )
+
+
 def agree(config) -> None:
-    """Every rank runs the same configuration, or every rank raises the same ``ValueError``."""
+    """Every rank runs the same configuration, or every rank raises the same ``ValueError``.
+
+    The gather has the run's timeout (the process group's), so a rank that never gets here is a
+    ``CommTimeoutError`` naming the others, not a hang.
+    """
     mine = {f.name: getattr(config, f.name) for f in fields(config)}
     everyone = comms.all_gather_object(mine, "agreeing on the run's configuration")
-    differing = sorted({name for other in everyone for name in mine if other[name] != everyone[0][name]})
+    differing = [name for name in mine if any(other[name] != everyone[0][name] for other in everyone)]
     if differing:
         described = "; ".join(
-            f"{_flag(name)}: " + ", ".join(f"rank {r} {values[name]!r}" for r, values in enumerate(everyone))
-            for name in differing
+            _who_has_what(_flag(name), [values[name] for values in everyone]) for name in differing
         )
-        raise ValueError(
-            f"rank {comms.get_rank()}: the ranks were started with different settings ({described})"
+        raise ValueError(f"rank {comms.get_rank()}: ranks disagree on the run: {described}")
+
+
+def _who_has_what(flag: str, values: list) -> str:
+    """``--layers is 8 on rank 0 and 6 on ranks 1, 2``: each value once, with the ranks that have it."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault(
+            repr(value) if isinstance(value, str) or value is None else str(value), []
+        ).append(rank)
+    parts = [f"{value} on {_ranks(ranks)}" for value, ranks in ranks_of.items()]
+    return f"{flag} is " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_loss(loss: float, step: int) -> None:
+    """Stop on a loss that is not a finite number, before the optimizer step spreads it to the weights.
+
+    The loss is the global batch's, the same float on every rank, so every rank stops at the same step;
+    nothing after it (optimizer step, checkpoint) runs, so no checkpoint holds the poisoned weights.
+    """
+    if not math.isfinite(loss):
+        raise LossNotFiniteError(
+            f"rank {comms.get_rank()}: the loss is {loss} at step {step}; stopped before that step's "
+            f"optimizer step, so the weights and any checkpoint hold only the {step} step(s) before it "
+            "(lower --lr, or bound the updates with --clip-grad-norm)"
         )
+
+
+class LossNotFiniteError(ValueError):
+    """The training loss became NaN or infinite: the run cannot go on."""
+
+
+@contextmanager
+def naming_the_rank() -> Iterator[None]:
+    """A ``ValueError`` raised while the run is set up names the rank that raised it."""
+    try:
+        yield
+    except ValueError as error:
+        text = str(error)
+        if not text.startswith("rank "):
+            error.args = (f"rank {comms.get_rank()}: {text}",)
+        raise
 
 
 def _at_least(name: str, value, minimum: int) -> None:

@@ -28,7 +28,8 @@ import torch
 from pipeclock import comms
 from pipeclock.app import checkpoint, resume
 from pipeclock.app.balance import check_balance, stage_cut
-from pipeclock.app.run_checks import agree, check_values
+from pipeclock.app.memory_fit import check_fits
+from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
 from pipeclock.app.tasks import make_task
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
@@ -169,13 +170,16 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     """Run the steps up to ``config.steps``; ``on_step(step, loss)`` is called on every rank after each.
 
     For a language model ``on_eval(steps_done, loss)`` follows each validation (every ``eval_every``
-    steps and after the last).
+    steps and after the last). Before the first step the ranks agree on the configuration, and the
+    processes and (the planner's estimate) the memory are checked to fit it; a loss that is not a finite
+    number stops every rank at that step, before its optimizer step and any checkpoint of it.
     """
     comms.init(timeout=config.timeout)
     agree(config)
     _check_checkpointing(config)
-    task = make_task(config)
-    pipe, modules, shard = _build_pipeline(config, task)
+    with naming_the_rank():
+        task = _checked_task(config)
+        pipe, modules, shard = _build_pipeline(config, task)
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
     start = resumed.step if resumed else 0
@@ -188,6 +192,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
         inputs, targets = task.batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         losses.append(pipe.step(inputs[shard], targets[shard]))
+        check_loss(losses[-1], step)
         if config.clip_grad_norm is not None:
             clip_grad_norm(pipe, config.clip_grad_norm)
         optimizer.step()
@@ -205,6 +210,16 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
     return result
+
+
+def _checked_task(config: TrainConfig):
+    """The task, once the run is known to fit the processes and (the planner's estimate) the memory."""
+    world = comms.get_world_size()
+    check_world(config, world)
+    task = make_task(config)
+    pp = world // config.dp
+    check_fits(config, config.table(pp), comms.get_rank() % pp, comms.device())
+    return task
 
 
 def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.Module], slice]:

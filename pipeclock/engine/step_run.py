@@ -149,7 +149,7 @@ class StepRun:
         with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
             output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
         if stage == pipe.num_virtual - 1:
-            root = pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb]) * self.scales[mb]
+            root = _scalar(pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb])) * self.scales[mb]
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
             root = None
@@ -227,3 +227,19 @@ class StepRun:
 def _copy_floats(tree):
     """A copy of the floating leaves, for a chunk whose first layer works in place on its input."""
     return pytree.tree_map(lambda leaf: leaf.clone() if pytree.carries_gradient(leaf) else leaf, tree)
+
+
+def _scalar(loss) -> torch.Tensor:
+    """The loss function's value, if it is one number in a tensor; else say what it returned.
+
+    A backward needs one number to start from: a per-sample loss (no reduction) would otherwise fail
+    later, in the backward, with autograd's words about implicit gradients.
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the loss function returned a {type(loss).__name__}, not a tensor")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"the loss function returned a tensor of shape {tuple(loss.shape)}, not a scalar: "
+            "reduce it to one number (mean, or sum with a count method)"
+        )
+    return loss
