@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,18 +90,29 @@ class _DiesOnThirdForward(nn.Module):
         return self.inner(x)
 
 
-class _HangsOnce(_DiesOnThirdForward):
+class _HangsOnce(nn.Module):
+    """A stage that hangs in its second forward until ``released`` exists (at most a minute): however
+    slow a busy machine makes its peer, the peer meets the hang, and nobody waits longer than needed."""
+
+    def __init__(self, inner: nn.Module, released: Path):
+        super().__init__()
+        self.inner, self.calls, self.released = inner, 0, released
+
     def forward(self, x):
         self.calls += 1
         if self.calls == 2:
-            time.sleep(4)
+            end = time.monotonic() + 60
+            while not self.released.exists() and time.monotonic() < end:
+                time.sleep(0.05)
         return self.inner(x)
 
 
-def _train_until_failure(rank: int, world: int, victim: int, kind: str) -> tuple[str, str, float]:
+def _train_until_failure(
+    rank: int, world: int, victim: int, kind: str, released: Path | None = None
+) -> tuple[str, str, float]:
     stage: nn.Module = ShardedMLP(8, 6, rank, world)
     if rank == victim:
-        stage = {"dies": _DiesOnThirdForward, "hangs": _HangsOnce}[kind](stage)
+        stage = _DiesOnThirdForward(stage) if kind == "dies" else _HangsOnce(stage, released)
     pipe = schedule.Pipeline(stage, "1f1b", 4)
     start = time.monotonic()
     try:
@@ -109,6 +121,9 @@ def _train_until_failure(rank: int, world: int, victim: int, kind: str) -> tuple
             pipe.step(torch.randn(8, 8), torch.randn(8, 8))
     except comms.CommError as error:
         return type(error).__name__, str(error), time.monotonic() - start
+    finally:
+        if released is not None:
+            released.touch()
     return "no error", "", 0.0
 
 
@@ -121,10 +136,11 @@ def test_a_peer_that_dies_mid_step_makes_its_neighbours_fail_fast_naming_it():
         assert message.startswith(f"rank {rank}: lost the connection to rank 1 while receiving the ")
 
 
-def test_a_peer_that_hangs_mid_step_is_a_timeout_within_the_timeout():
-    outcomes = run_ranks(_train_until_failure, 2, 1, "hangs", timeout=2, linger=False)
+def test_a_peer_that_hangs_mid_step_is_a_timeout_within_the_timeout(tmp_path):
+    outcomes = run_ranks(_train_until_failure, 2, 1, "hangs", tmp_path / "released", timeout=2, linger=False)
     kind, message, seconds = outcomes[0].value
-    assert kind == "CommTimeoutError" and 2.0 <= seconds < 5.0, (kind, message, seconds)
+    # at least the timeout, and far less than the minute the peer would hang
+    assert kind == "CommTimeoutError" and 2.0 <= seconds < 30.0, (kind, message, seconds)
     assert message.startswith(
         "rank 0: receiving the gradient of micro-batch 1 for stage 0 from rank 1 did not"
     )
