@@ -19,8 +19,10 @@ Every failure is a ``CommError`` whose message names this rank, the peer and the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -211,6 +213,17 @@ def explain(error: RuntimeError, what: str, peer: int | None = None) -> CommErro
     return CommError(f"{who}: {what} failed: {text.splitlines()[0]}")
 
 
+@contextlib.contextmanager
+def explained(what: str) -> Iterator[None]:
+    """Calls into a library that talks to the peers itself (FSDP, DDP): their failures as a ``CommError``."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as error:
+        raise explain(error, what) from error
+
+
 # --- unchecked non-blocking point-to-point (the orchestrator's hot path) ------------------------------
 
 
@@ -368,7 +381,7 @@ def broadcast(
     tensor: torch.Tensor, src: int, what: str, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``src``'s ``tensor`` on every rank (of ``group``; ``src`` is a global rank), in place, in time."""
-    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src)
+    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src if src != get_rank() else None)
     return tensor
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeclock import comms
+from pipeclock.engine import faults
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.registry import full_model
 
@@ -126,6 +127,7 @@ def save(
     comms.barrier(f"preparing {partial}")
     with _explained(f"saving {partial}"):
         dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
+    faults.point("save", position.step)
     # DCP's save returns on rank 0 after every rank reported its file written and the metadata is on
     # disk, so the checkpoint is complete when rank 0 renames it.
     if comms.get_rank() == 0:
@@ -140,6 +142,7 @@ def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch
 
     Works whatever the number of stages that saved it: only the keys of this rank's layers are read.
     """
+    faults.point("resume", step_of(path))
     state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
     with _explained(f"loading {path}"):
         dcp.load(state, checkpoint_id=path)

@@ -29,6 +29,7 @@ from pipeclock.app import checkpoint
 from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.run_checks import agree, check_values
 from pipeclock.app.tasks import make_task
+from pipeclock.engine import faults
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
@@ -171,6 +172,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     steps and after the last).
     """
     comms.init(timeout=config.timeout)
+    faults.arm(comms.get_world_size())
     agree(config)
     _check_checkpointing(config)
     task = make_task(config)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from pipeclock import comms
+from pipeclock.app import stopping
 from pipeclock.app.checkpoint import CheckpointError
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
@@ -158,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace) -> int:
     rank, world = comms.init(timeout=config.timeout)
+    if world > 1 and stopping.under_torchrun():
+        stopping.report_before_stopping(rank, config.timeout)
     boss = rank == 0
     if boss:
         print(_headline(config, world), flush=True)
