@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,3 +276,30 @@ def test_a_bad_fault_is_one_clear_error(value, error):
     with pytest.raises(ValueError) as raised:
         faults.arm(4, {faults.VARIABLE: value, "RANK": "0"})
     assert str(raised.value) == error
+
+
+# --- SIGTERM as notice (a process of its own: the handler is for the whole process) ------------------------
+
+NOTICED = """
+import os, signal, sys, time
+from pipeclock.app import stopping
+stopping.report_before_stopping(rank=3, grace=float(sys.argv[1]))
+os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another rank died
+time.sleep(float(sys.argv[2]))  # until this rank's own wait fails
+sys.exit("rank 3: lost the connection to rank 1")
+"""
+
+
+def test_a_rank_sent_sigterm_first_reports_its_own_error_and_stops_after_the_grace_without_one():
+    def start(grace: float, fails_after: float) -> subprocess.Popen:
+        command = [sys.executable, "-c", NOTICED, str(grace), str(fails_after)]
+        return subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+    in_time, too_late = start(grace=60, fails_after=0.5), start(grace=0.5, fails_after=60)
+    assert in_time.communicate(timeout=50)[1] == "rank 3: lost the connection to rank 1\n"
+    assert in_time.returncode == 1  # the error of its own, well before the grace ran out
+    assert too_late.communicate(timeout=50)[1] == (
+        "pipeclock train: stopped: rank 3 was sent SIGTERM and no error of its own came within 0.5s "
+        "(torchrun stops every rank when one fails: see the other ranks' lines)\n"
+    )
+    assert too_late.returncode == 128 + signal.SIGTERM
