@@ -10,7 +10,7 @@ job's losses must then equal, bit for bit, those of the same run left alone.
 
 The test writes what it saw as tables; docs/faults.md shows them, and the test fails when the page says
 anything else (``PIPECLOCK_WRITE_FAULTS=1`` writes the page instead). The 2-rank job runs in the default
-suite; the other two layouts cost a minute each on 2 cores and run with ``PIPECLOCK_FAULTS_ALL=1``.
+suite; the other two layouts cost about two minutes each on 2 cores and run with ``PIPECLOCK_FAULTS_ALL=1``.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def run_matrix(layout: Layout, tmp: Path) -> Matrix:
 def matrix(request, tmp_path_factory) -> Matrix:
     layout = request.param
     if layout.name != "2 ranks" and not ALL_LAYOUTS:
-        pytest.skip("PIPECLOCK_FAULTS_ALL=1 runs the 4-rank and dp 2 x pp 2 matrices (a minute each)")
+        pytest.skip("PIPECLOCK_FAULTS_ALL=1 runs the 4-rank and dp 2 x pp 2 matrices (2 min each, 2 cores)")
     return run_matrix(layout, tmp_path_factory.mktemp(layout.name.replace(" ", "")))
 
 
