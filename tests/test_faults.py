@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeclock import comms
 from pipeclock.engine import faults
 from tests.test_checkpoint import Launch, _final_loss, _losses
 
@@ -276,6 +277,20 @@ def test_a_bad_fault_is_one_clear_error(value, error):
     with pytest.raises(ValueError) as raised:
         faults.arm(4, {faults.VARIABLE: value, "RANK": "0"})
     assert str(raised.value) == error
+
+
+def test_a_lost_peer_inside_a_library_collective_is_reported_like_any_other_lost_peer():
+    """FSDP2 and DDP call gloo themselves; ``comms.explained`` turns gloo's raw error into pipeclock's."""
+    gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41119. GLHF!"
+    summing = "summing the gradients across replicas"
+    with pytest.raises(comms.PeerGoneError) as raised, comms.explained(summing):
+        raise RuntimeError(gloo)
+    assert str(raised.value) == (
+        "rank 0: lost the connection to a peer while summing the gradients across replicas; "
+        "a peer most likely died (see its log)"
+    )
+    with pytest.raises(ValueError, match="not a transport error"), comms.explained("anything"):
+        raise ValueError("not a transport error")
 
 
 # --- SIGTERM as notice (a process of its own: the handler is for the whole process) ------------------------
