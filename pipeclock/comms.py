@@ -19,9 +19,11 @@ Every failure is a ``CommError`` whose message names this rank, the peer and the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -266,6 +268,17 @@ def _ranks(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+@contextlib.contextmanager
+def explained(what: str) -> Iterator[None]:
+    """Calls into a library that talks to the peers itself (FSDP, DDP): their failures as a ``CommError``."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as error:
+        raise explain(error, what) from error
 
 
 # --- unchecked non-blocking point-to-point (the orchestrator's hot path) ------------------------------

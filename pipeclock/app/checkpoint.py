@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pipeclock import comms
 from pipeclock.app import checkpoint_integrity as integrity
+from pipeclock.engine import faults
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.registry import full_model
 
@@ -270,6 +271,7 @@ def save(
     comms.barrier(f"preparing {partial}")
     with _explained(f"saving {partial}"):
         dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
+    faults.point("save", position.step)
     # DCP's save returns after every rank reported its file written and rank 0 wrote the metadata, so
     # the files are final: the ranks sum them, and the checkpoint is complete when rank 0 renames it.
     files = _manifest(partial)
@@ -311,6 +313,7 @@ def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch
 
     Works whatever the number of stages that saved it: only the keys of this rank's layers are read.
     """
+    faults.point("resume", step_of(path))
     state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
     with _explained(f"loading {path}"):
         dcp.load(state, checkpoint_id=path)

@@ -31,6 +31,7 @@ from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.memory_fit import check_fits
 from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
 from pipeclock.app.tasks import make_task
+from pipeclock.engine import faults
 from pipeclock.engine.actions import Schedule, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
@@ -175,6 +176,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     number stops every rank at that step, before its optimizer step and any checkpoint of it.
     """
     comms.init(timeout=config.timeout)
+    faults.arm(comms.get_world_size())
     agree(config)
     _check_checkpointing(config)
     with naming_the_rank():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import comms
-from pipeclock.engine import pytree
+from pipeclock.engine import faults, pytree
 from pipeclock.engine.actions import Action, Schedule, placement_of, validate
 from pipeclock.engine.backward import (
     ParameterOutputs,
@@ -257,6 +257,7 @@ class Pipeline:
             dtype=torch.int64,
             device=self.device,
         )
+        faults.point("gather", self.steps_done)
         rows = (
             [mine]
             if self.num_stages == 1
@@ -297,6 +298,7 @@ class Pipeline:
         value = torch.zeros((), dtype=torch.float64, device=self.device) if loss is None else loss.double()
         if self.rank == self.last_rank:
             value = self.replicas.total(value, "summing the replicas' losses")
+        faults.point("loss", self.steps_done)
         if self.num_stages > 1:
             last = self.peers[self.last_rank]
             value = comms.broadcast(value, last, "sharing the loss", self.group)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeclock import comms
-from pipeclock.engine import pytree, rng
+from pipeclock.engine import faults, pytree, rng
 from pipeclock.engine.actions import Action
 from pipeclock.engine.backward import (
     backward_input,
@@ -141,6 +141,7 @@ class StepRun:
         if stage == 0:
             stage_input = self.inputs[mb]
         else:
+            faults.point("recv", pipe.steps_done)
             stage_input = pipe.messenger.receive_activation(stage, mb, self.sizes[mb])
             self._last_input = stage_input
             if self.training:
@@ -148,12 +149,14 @@ class StepRun:
                     leaf.requires_grad_()
         with rng.keyed(pipe.steps_done, self.first_samples[mb]), pipe.precision.autocast(pipe.device):
             output = self._run_chunk(action.chunk, stage_input, (mb, action.chunk))
+        faults.point("F", pipe.steps_done)
         if stage == pipe.num_virtual - 1:
             root = _scalar(pipe.loss_fn(pipe.precision.for_loss(output), self.targets[mb])) * self.scales[mb]
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
             root = None
             pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
+            faults.point("send", pipe.steps_done)
         if self.training:
             self.stash[(mb, action.chunk)] = _Stash(stage_input, output, root, self._captured)
             if self.meter:
@@ -211,10 +214,12 @@ class StepRun:
             else:
                 backward_weight(work)
                 self._done(*key)
+        faults.point(action.op, pipe.steps_done)
         if stage > 0:
             pipe.messenger.send_gradient(stage, mb, input_grads)
 
     def weight(self, action: Action) -> None:
+        faults.point("W", self.pipe.steps_done)
         backward_weight(self.stash[(action.microbatch, action.chunk)].weight_work)
         self._done(action.microbatch, action.chunk)
 

@@ -86,6 +86,11 @@ class FullyShardedReplicas(_Replicas):
             chunk.set_requires_gradient_sync(False)
             chunk.set_reshard_after_backward(False)
             chunk.set_is_last_backward(False)
+        # Gathered here rather than in the first forward's hook, so that a replica that died is reported
+        # as a lost peer (a CommError), not as a failure of the forward's own computation.
+        with comms.explained("gathering the replicas' parameter shards"):
+            for chunk in self.chunks:
+                chunk.unshard()
 
     def after_last_backward(self, chunk: int) -> None:
         module = self.chunks[chunk]
@@ -93,10 +98,11 @@ class FullyShardedReplicas(_Replicas):
         module.set_reshard_after_backward(True)
         module.set_is_last_backward(True)
         state = fully_shard.state(module)
-        for each in state._state_ctx.all_states:  # the hooks that autograd did not call at the right time
-            for param_group in _param_groups(each):
-                param_group.post_backward()
-        state._root_post_backward_final_callback()  # waits for the reduce-scatter; reshards
+        with comms.explained("summing the gradients across replicas"):
+            for each in state._state_ctx.all_states:  # the hooks autograd did not call at the right time
+                for param_group in _param_groups(each):
+                    param_group.post_backward()
+            state._root_post_backward_final_callback()  # waits for the reduce-scatter; reshards
 
     def end_evaluation(self) -> None:
         for chunk in self.chunks:  # the forwards gathered the parameters; shards again, as after a step

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from pipeclock import comms
-from pipeclock.app import interrupts
+from pipeclock.app import interrupts, stopping
 from pipeclock.app.arguments import (
     check_output,
     non_negative_int,
@@ -235,6 +235,8 @@ def _interrupted(code: int, steps: StepsSeen) -> int:
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: StepsSeen) -> int:
     rank, world = comms.init(timeout=config.timeout)
+    if world > 1 and stopping.under_torchrun():
+        stopping.report_before_stopping(rank, config.timeout)
     boss = rank == 0
     if boss and world % config.dp == 0:  # else train() refuses the layout, and the headline would be nonsense
         print(_headline(config, world), flush=True)
