@@ -389,7 +389,7 @@ def _over(entries: list[tuple[dict, float]], value) -> Spread:
 
 
 def profile(results: Results) -> list[str]:
-    """Where each engine's time goes at ~zero compute: rank 0 under cProfile, top functions by own time."""
+    """Where each engine's time goes at ~zero compute: rank 0's main thread under cProfile, by own time."""
     records = [r for r in results.runs[0].of_kind("profile")]
     lines = []
     for record in records:
@@ -401,8 +401,8 @@ def profile(results: Results) -> list[str]:
             f"### Where {record.get('engine', 'pipeclock')}'s time goes "
             f"({record['schedule']}, rank 0, cProfile)",
             "",
-            f"{record['total_us_per_action']:.0f} µs of profiled time per action in all (waiting included); "
-            "the functions with the most time of their own:",
+            f"{record['total_us_per_action']:.0f} µs of the main thread's CPU per action in all, profiled "
+            "(waiting excluded); the functions with the most time of their own:",
             "",
             *table(["function", "calls per action", "own µs per action"], rows),
             "",

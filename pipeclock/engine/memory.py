@@ -26,6 +26,7 @@ class ActivationMeter:
 
     def __init__(self, modules: Iterable[nn.Module]):
         self._modules = list(modules)
+        self._owners: list[nn.Module] | None = None  # the modules holding parameters, found once a step
         self._parameter_pointers: set[int] = set()
         self._parameter_ids: set[int] = set()
         self._bytes: dict[object, int] = {}
@@ -36,6 +37,15 @@ class ActivationMeter:
         """Start a new step: nothing held, no peak yet."""
         self._bytes.clear()
         self.live = self.peak = 0
+        self._owners = None
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The parameters as the modules hold them now. Walking the module tree costs more than a small
+        forward, so the modules that hold parameters are found once a step; the parameters themselves are
+        read at every call (a data-parallel wrapper may swap them between forwards)."""
+        if self._owners is None:
+            self._owners = [m for top in self._modules for m in top.modules() if m._parameters]
+        return [p for m in self._owners for p in m._parameters.values() if p is not None]
 
     @contextmanager
     def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
@@ -43,7 +53,7 @@ class ActivationMeter:
         saved: list[tuple[int, int]] = []
         # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
         # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
-        parameters = [p for m in self._modules for p in m.parameters()]
+        parameters = self._parameters()
         self._parameter_pointers = {p.data_ptr() for p in parameters}
         self._parameter_ids = {id(p) for p in parameters}
 
@@ -51,21 +61,20 @@ class ActivationMeter:
             # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as
             # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
             # that keeps every step's graph alive (memory grew by a step's activations per step).
-            if not self._is_parameter_cast(tensor):
-                saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            base = tensor._base
+            node = (tensor if base is None else base).grad_fn
+            if node is None or type(node).__name__ != "ToCopyBackward0" or not self._casts_parameter(node):
+                saved.append((tensor.data_ptr(), tensor.nbytes))
             return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in stashed]
+        located = [(t.data_ptr(), t.nbytes) for t in stashed]
         self._bytes[key] = self._distinct_bytes(saved + located)
 
-    def _is_parameter_cast(self, tensor: torch.Tensor) -> bool:
-        """A parameter in autocast's compute dtype (or a view of one): the model, not an activation."""
-        base = tensor if tensor._base is None else tensor._base
-        node = base.grad_fn
-        if node is None or node.name() != "ToCopyBackward0":
-            return False
+    def _casts_parameter(self, node) -> bool:
+        """A ``ToCopyBackward0`` node whose source is a parameter: what it made (or a view of that) is the
+        parameter in autocast's compute dtype, the model, not an activation."""
         source = node.next_functions[0][0]
         return id(getattr(source, "variable", None)) in self._parameter_ids
 
@@ -82,7 +91,7 @@ class ActivationMeter:
     def update(self, key: object, tensors: list[torch.Tensor], add: bool) -> None:
         """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
         forward's tensors: a split backward's B frees the graph but keeps what W needs."""
-        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        located = [(t.data_ptr(), t.nbytes) for t in tensors]
         held = self._distinct_bytes(located) + (self._bytes[key] if add else 0)
         self.live += held - self._bytes[key]
         self._bytes[key] = held
