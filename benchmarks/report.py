@@ -70,7 +70,7 @@ def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
 def machine(results: Results, command: str, seconds: list[float]) -> list[str]:
     setups = [r for run in results.runs for r in run.of_kind("setup")]
     threads = sorted({t for s in setups for t in s["threads"]})
-    took = ", ".join(f"{s / 60:.1f} min" for s in seconds)
+    took = f" (took {', '.join(f'{s / 60:.1f} min' for s in seconds)})" if seconds else ""
     memory = psutil.virtual_memory().total / 2**30
     return [
         f"- machine: {_cpu_name()}, {results.num_cores} cores, {memory:.0f} GiB, no GPU",
@@ -78,7 +78,7 @@ def machine(results: Results, command: str, seconds: list[float]) -> list[str]:
         f"- intra-op threads per rank: {threads} (checked on every launch)"
         if threads
         else "- intra-op threads per rank: cores / local ranks, set by `comms.init` (unrecorded)",
-        f"- command: `{command}`; runs: {len(results.runs)} (took {took})",
+        f"- command: `{command}`; runs: {len(results.runs)}{took}",
         "- cells read `median [lowest–highest]` over the runs when there is more than one run",
     ]
 
