@@ -13,8 +13,11 @@ its activation meter, torch) takes its steps in turn, and we report per rank:
   messages. The engine's own cost per action is the difference;
 - the share of the step spent blocked on messages, and the step's wall time.
 
-Then rank 0 runs pipeclock's steps under cProfile, and the functions with the most time of their own
-show where the engine's microseconds go.
+Then rank 0 runs each engine's steps under cProfile, timed by the main thread's CPU clock: time blocked on
+a message, or spent while another process holds the core, counts for nothing, so on a busy machine the
+profile still says where the engine's own microseconds go. The functions are summed into parts (the
+activation meter, the split backward's hooks and W, the messages, the step loop, torch's engine, the
+model's forward, autograd ...) and the functions with the most time of their own are listed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per engine and schedule")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking call may take")
+    parser.add_argument(
+        "--profile-only", action="store_true", help="only the profile (of the first of --schedules)"
+    )
     return parser.parse_args(argv)
 
 
@@ -98,7 +104,7 @@ def profile(case: Case, steps: int, top: int = 12) -> list[dict]:
     run.run_check()
     records = []
     for engine in run.engines:
-        profiler = cProfile.Profile() if comms.get_rank() == 0 else None
+        profiler = cProfile.Profile(time.thread_time) if comms.get_rank() == 0 else None
         if profiler:
             profiler.enable()
         for index in range(1, steps + 1):
@@ -137,8 +143,13 @@ def _top_functions(profiler: cProfile.Profile, engine: str, case: Case, steps: i
 
 
 PARTS = (  # (what the time is, a marker in the function's name), first match wins
-    ("model forward (Linear, ReLU, nn.Module)", "pipeclock/model.py"),
-    ("engine Python (pipeclock/)", "pipeclock/"),
+    ("model forward (Linear, ReLU, nn.Module)", "pipeclock/model"),
+    ("pipeclock: activation meter", "pipeclock/engine/memory.py"),
+    ("pipeclock: split backward (hooks, W)", "pipeclock/engine/backward.py"),
+    ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/engine/messenger.py"),
+    ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/comms.py"),
+    ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/engine/pytree.py"),
+    ("pipeclock: step loop (step_run, orchestrator, spans ...)", "pipeclock/"),
     ("engine Python (torch pipelining)", "torch/distributed/pipelining/"),
     ("measurement (benchmarks/)", "benchmarks/"),
     ("gloo calls: send, recv, wait, collectives", "_distributed_c10d."),
@@ -164,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, _ = comms.init(timeout=args.timeout)
     records = []
-    for name in args.schedules:
+    for name in [] if args.profile_only else args.schedules:
         case = Case(comms.get_world_size(), HIDDEN, MICROBATCHES, name, args.steps, batch=BATCH)
         records.append(measure(case))
     profiled = Case(comms.get_world_size(), HIDDEN, MICROBATCHES, args.schedules[0], 1, BATCH)
@@ -175,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 out.write(json.dumps(record) + "\n")
         for record in records:
             print(summary_line(record), flush=True)
+        for record in profiles:
+            print(profile_line(record), flush=True)
     comms.barrier("finishing the overhead measurement")
     comms.shutdown()
     return 0
@@ -187,6 +200,11 @@ def summary_line(record: dict) -> str:
     for name, figures in record["engines"].items():
         parts.append(f"{name} {statistics.fmean(figures['cpu_us_per_action']):.0f} us")
     return ", ".join(parts) + " CPU per action"
+
+
+def profile_line(record: dict) -> str:
+    top = ", ".join(f"{part} {us:.0f}" for part, us in list(record["parts_us_per_action"].items())[:6])
+    return f"  profile {record['engine']} {record['schedule']}: {record['total_us_per_action']:.0f} us: {top}"
 
 
 if __name__ == "__main__":

@@ -129,6 +129,19 @@ def targets() -> Plan:
     return sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8))
 
 
+def small_actions() -> Plan:
+    """The cases with the least compute per action, where an engine's own cost shows most: hidden 512
+    with m in {1, 2}, and m = 1 at hidden 1024 and 2048, on two and four ranks."""
+    cases = (
+        sweep(hiddens=(512,), microbatches=(1, 2)).cases
+        + sweep(hiddens=(1024, 2048), microbatches=(1,)).cases
+    )
+    return Plan(
+        tuple(cases),
+        {512: _steps(512, False, 1.0), 1024: _steps(1024, False, 1.0), 2048: _steps(2048, False, 1.0)},
+    )
+
+
 def v_schedules() -> Plan:
     """ZB-V against ZB-H1 and 1F1B (and torch's ZB-V): two ranks, hidden 1024, m in {4, 8}."""
     return sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8), schedules=("1f1b", "zb-h1", "zb-v"))

@@ -70,7 +70,7 @@ def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
 def machine(results: Results, command: str, seconds: list[float]) -> list[str]:
     setups = [r for run in results.runs for r in run.of_kind("setup")]
     threads = sorted({t for s in setups for t in s["threads"]})
-    took = ", ".join(f"{s / 60:.1f} min" for s in seconds)
+    took = f" (took {', '.join(f'{s / 60:.1f} min' for s in seconds)})" if seconds else ""
     memory = psutil.virtual_memory().total / 2**30
     return [
         f"- machine: {_cpu_name()}, {results.num_cores} cores, {memory:.0f} GiB, no GPU",
@@ -78,7 +78,7 @@ def machine(results: Results, command: str, seconds: list[float]) -> list[str]:
         f"- intra-op threads per rank: {threads} (checked on every launch)"
         if threads
         else "- intra-op threads per rank: cores / local ranks, set by `comms.init` (unrecorded)",
-        f"- command: `{command}`; runs: {len(results.runs)} (took {took})",
+        f"- command: `{command}`; runs: {len(results.runs)}{took}",
         "- cells read `median [lowest–highest]` over the runs when there is more than one run",
     ]
 
@@ -389,7 +389,7 @@ def _over(entries: list[tuple[dict, float]], value) -> Spread:
 
 
 def profile(results: Results) -> list[str]:
-    """Where each engine's time goes at ~zero compute: rank 0 under cProfile, top functions by own time."""
+    """Where each engine's time goes at ~zero compute: rank 0's main thread under cProfile, by own time."""
     records = [r for r in results.runs[0].of_kind("profile")]
     lines = []
     for record in records:
@@ -401,8 +401,8 @@ def profile(results: Results) -> list[str]:
             f"### Where {record.get('engine', 'pipeclock')}'s time goes "
             f"({record['schedule']}, rank 0, cProfile)",
             "",
-            f"{record['total_us_per_action']:.0f} µs of profiled time per action in all (waiting included); "
-            "the functions with the most time of their own:",
+            f"{record['total_us_per_action']:.0f} µs of the main thread's CPU per action in all, profiled "
+            "(waiting excluded); the functions with the most time of their own:",
             "",
             *table(["function", "calls per action", "own µs per action"], rows),
             "",

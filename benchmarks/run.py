@@ -3,6 +3,7 @@
     python -m benchmarks.run             # the full sweep (p in {2, 4}, hidden in {512, 1024, 2048}, ...)
     python -m benchmarks.run --quick     # two ranks, hidden 512 and 1024, m in {2, 4, 8}
     python -m benchmarks.run --targets --runs 3   # the target cases, three times over
+    python -m benchmarks.run --small-actions   # least compute per action: hidden 512 with m <= 2, m = 1
 
 For each number of stages the worker runs under torchrun (two ranks also measure T1), then the overhead
 worker runs on two ranks. Results go to ``benchmarks/results/<name>.json`` (every record of every run)
@@ -29,6 +30,7 @@ PLANS = {
     "full": plan.full,
     "quick": plan.quick,
     "targets": plan.targets,
+    "small-actions": plan.small_actions,
     "tiny": plan.tiny,
     "v": plan.v_schedules,
     "overhead": plan.nothing,
@@ -40,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--quick", action="store_const", dest="plan", const="quick", help="a smaller sweep")
     which.add_argument(
         "--targets", action="store_const", dest="plan", const="targets", help="only the target cases"
+    )
+    which.add_argument(
+        "--small-actions",
+        action="store_const",
+        dest="plan",
+        const="small-actions",
+        help="only the cases with the least compute per action (hidden 512 with m <= 2, m = 1)",
     )
     which.add_argument(
         "--tiny", action="store_const", dest="plan", const="tiny", help="a smoke run of a few seconds"

@@ -145,6 +145,30 @@ def test_two_optimizer_steps_in_a_row_match_the_one_process_model():
     assert all(gap <= TOLERANCE for gap in worst.values()), worst
 
 
+def two_steps_without_zeroing(rank: int, p: int, name: str) -> list[float]:
+    """Two steps with no zero_grad between: the second adds to the gradients the first left."""
+    chunks = SCHEDULE_CHUNKS[name][0]
+    modules, reference, _, _ = build("mlp", rank, p, chunks, "v" if name in V_PLACED else "loop")
+    pipe = schedule.Pipeline(modules, name, 3)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        inputs, targets = torch.randn(10, 8, generator=generator), torch.randn(10, 8, generator=generator)
+        pipe.step(inputs, targets)
+        F.mse_loss(reference(inputs), targets).backward()
+    wanted = dict(reference.named_parameters())
+    return [relative_gap(q.grad, wanted[n].grad) for mod in modules for n, q in mod.named_parameters()]
+
+
+def accumulation_every_schedule(rank: int, p: int) -> dict[str, float]:
+    return {name: max(two_steps_without_zeroing(rank, p, name)) for name in schedule.SCHEDULES}
+
+
+def test_a_step_adds_to_the_gradients_already_there_as_backward_does():
+    per_rank = run_ok(accumulation_every_schedule, 2)
+    worst = {name: max(r[name] for r in per_rank) for name in schedule.SCHEDULES}
+    assert all(gap <= TOLERANCE for gap in worst.values()), worst
+
+
 def twenty_steps(rank: int, p: int) -> dict[str, list[float]]:
     return {
         name: train(TrainConfig(schedule=name, microbatches=4, hidden=32, batch_size=18, steps=20)).losses

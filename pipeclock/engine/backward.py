@@ -43,7 +43,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from pipeclock.engine import rng
 
 
-@dataclass
+@dataclass(slots=True)
 class Captured:
     """A parameter-holding module's input and output in one forward."""
 
@@ -59,7 +59,7 @@ class Captured:
         return self.output if self.output is not None else self.edge
 
 
-@dataclass
+@dataclass(slots=True)
 class Rebuilt:
     """A module's inputs as a checkpoint's rebuild saw them, and the context to run it again in W."""
 
@@ -68,7 +68,7 @@ class Rebuilt:
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) when autocast was on
 
 
-@dataclass
+@dataclass(slots=True)
 class WeightWork:
     """What W needs for one module: its captured forward and the gradient of its output."""
 
@@ -149,6 +149,17 @@ def rebuilds_beyond_linears(captured: list[Captured]) -> bool:
     """True when a module other than ``nn.Linear`` ran inside a checkpoint: its W would run it again and
     go through autograd, so a backward that need not wait for W is better one autograd call."""
     return any(item.edge is not None and not isinstance(item.module, nn.Linear) for item in captured)
+
+
+def nothing_to_accumulate(captured: list[Captured]) -> bool:
+    """True when no captured module's parameter holds a gradient yet (the step's first backward through
+    the chunk, after ``zero_grad(set_to_none=True)``).
+
+    W's in-place product saves a pass over a weight gradient only when there is one to add to; here
+    autograd keeps the gradient it computes as ``.grad`` without a copy, so one autograd call does the
+    same arithmetic without W's Python per module.
+    """
+    return all(p.grad is None for item in captured for p in item.module.parameters(recurse=False))
 
 
 def modified_in_place(captured: list[Captured]) -> Captured | None:
@@ -268,7 +279,7 @@ def _linear_weight_grad(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tens
     Under autocast the output gradient is in the compute dtype: the input is rounded to it as the forward
     rounded it, and the product is added to the float32 ``.grad``, as autograd does.
     """
-    x2, g2 = x.reshape(-1, x.shape[-1]).to(grad_out.dtype), grad_out.reshape(-1, grad_out.shape[-1])
+    x2, g2 = _as_matrix(x).to(grad_out.dtype), _as_matrix(grad_out)
     weight, bias = linear.weight, linear.bias
     if weight.requires_grad:
         if weight.grad is None:
@@ -283,6 +294,11 @@ def _linear_weight_grad(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tens
             bias.grad = summed.to(bias.dtype)
         else:
             bias.grad.add_(summed)
+
+
+def _as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """All leading dims folded into rows (a 2-D tensor is returned as it is)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def held_tensors(work: list[WeightWork]) -> list[torch.Tensor]:

@@ -26,8 +26,8 @@ class ActivationMeter:
 
     def __init__(self, modules: Iterable[nn.Module]):
         self._modules = list(modules)
+        self._owners: list[nn.Module] | None = None  # the modules holding parameters, found once a step
         self._parameter_pointers: set[int] = set()
-        self._parameter_ids: set[int] = set()
         self._bytes: dict[object, int] = {}
         self.live = 0
         self.peak = 0
@@ -36,6 +36,15 @@ class ActivationMeter:
         """Start a new step: nothing held, no peak yet."""
         self._bytes.clear()
         self.live = self.peak = 0
+        self._owners = None
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The parameters as the modules hold them now. Walking the module tree costs more than a small
+        forward, so the modules that hold parameters are found once a step; the parameters themselves are
+        read at every call (a data-parallel wrapper may swap them between forwards)."""
+        if self._owners is None:
+            self._owners = [m for top in self._modules for m in top.modules() if m._parameters]
+        return [p for m in self._owners for p in m._parameters.values() if p is not None]
 
     @contextmanager
     def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
@@ -43,25 +52,22 @@ class ActivationMeter:
         saved: list[tuple[int, int]] = []
         # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
         # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
-        parameters = [p for m in self._modules for p in m.parameters()]
+        parameters = self._parameters()
         self._parameter_pointers = {p.data_ptr() for p in parameters}
-        self._parameter_ids = {id(p) for p in parameters}
+        parameter_ids = {id(p) for p in parameters}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             # Where and how large, never the tensor, and a detached alias back: a saved *output* kept as
             # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
             # that keeps every step's graph alive (memory grew by a step's activations per step).
-            if not self._is_parameter_cast(tensor):
-                saved.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+            if not is_parameter_cast(tensor, parameter_ids):
+                saved.append((tensor.data_ptr(), tensor.nbytes))
             return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in stashed]
+        located = [(t.data_ptr(), t.nbytes) for t in stashed]
         self._bytes[key] = self._distinct_bytes(saved + located)
-
-    def _is_parameter_cast(self, tensor: torch.Tensor) -> bool:
-        return is_parameter_cast(tensor, self._parameter_ids)
 
     def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
         """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
@@ -76,7 +82,7 @@ class ActivationMeter:
     def update(self, key: object, tensors: list[torch.Tensor], add: bool) -> None:
         """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
         forward's tensors: a split backward's B frees the graph but keeps what W needs."""
-        located = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        located = [(t.data_ptr(), t.nbytes) for t in tensors]
         held = self._distinct_bytes(located) + (self._bytes[key] if add else 0)
         self.live += held - self._bytes[key]
         self._bytes[key] = held
@@ -96,9 +102,9 @@ def is_parameter_cast(tensor: torch.Tensor, parameter_ids: set[int]) -> bool:
 
     ``parameter_ids`` are the ``id`` of the float32 parameters the cast may come from.
     """
-    base = tensor if tensor._base is None else tensor._base
-    node = base.grad_fn
-    if node is None or node.name() != "ToCopyBackward0":
+    base = tensor._base
+    node = (tensor if base is None else base).grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":  # the type's name: no call into C++
         return False
     source = node.next_functions[0][0]
     return id(getattr(source, "variable", None)) in parameter_ids

@@ -150,8 +150,10 @@ class Messenger:
     def expect_activation(self, stage: int, microbatch: int, size: int) -> None:
         """Post the receive of stage ``stage``'s input now, so it can arrive while we compute."""
         key = (ACTIVATION, stage, microbatch)
+        if key in self._incoming:  # posted a tick ahead: nothing more to do
+            return
         src = self._rank_of(stage - 1)
-        if src == self.rank or key in self._incoming:
+        if src == self.rank:
             return
         layout = self._layouts.get((stage, size))
         if layout is not None:
@@ -167,8 +169,10 @@ class Messenger:
     def expect_gradient(self, stage: int, microbatch: int, like: pytree.Tree) -> None:
         """Post the receives of the gradients of stage ``stage``'s output (shaped like its float leaves)."""
         key = (GRADIENT, stage, microbatch)
+        if key in self._incoming:  # posted a tick ahead: nothing more to do
+            return
         src = self._rank_of(stage + 1)
-        if src == self.rank or key in self._incoming:
+        if src == self.rank:
             return
         shapes = [(tuple(leaf.shape), leaf.dtype) for leaf in pytree.gradient_leaves(like)]
         self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), None)

@@ -26,6 +26,8 @@ Tree = Any  # a tensor, or a tuple / list / dict of trees
 
 
 def leaves(tree: Tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # the common case, several times per action: skip the walk
+        return [tree]
     return pytree.tree_leaves(tree)
 
 

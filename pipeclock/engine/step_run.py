@@ -24,6 +24,7 @@ from pipeclock.engine.backward import (
     gradient_roots,
     held_tensors,
     modified_in_place,
+    nothing_to_accumulate,
     rebuilds_beyond_linears,
 )
 from pipeclock.engine.losses import loss_scales
@@ -51,6 +52,14 @@ class StepRun:
     def __init__(self, pipe, sizes: list[int], inputs, targets, training: bool = True):
         self.pipe, self.sizes, self.training = pipe, sizes, training
         self.actions = pipe.actions if training else pipe.forward_actions
+        # per action, worked out once a step rather than once a tick: its virtual stage, and whether the
+        # data-parallel sum of its chunk's gradients follows it
+        self.stages = [pipe.placement.stage(pipe.rank, a.chunk) for a in self.actions]
+        replicated = training and pipe.replicas.group is not None
+        self.syncs_after = [
+            replicated and pipe.last_backward.get(a.chunk) == i for i, a in enumerate(self.actions)
+        ]
+        self.synchronizes_device = pipe.device.type == "cuda"
         self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
         self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
         self.targets = None
@@ -65,15 +74,11 @@ class StepRun:
         if self.meter:
             self.meter.reset()
 
-    def _stage(self, action: Action) -> int:
-        return self.pipe.placement.stage(self.pipe.rank, action.chunk)
-
     def prefetch(self, index: int) -> None:
         """Post the receive that action ``index`` will need, so its data arrives during this tick."""
         if index >= len(self.actions):
             return
-        action = self.actions[index]
-        stage, mb = self._stage(action), action.microbatch
+        action, stage, mb = self.actions[index], self.stages[index], self.actions[index].microbatch
         if action.op == "F" and stage > 0:
             self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
         elif action.op in "BI" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
@@ -84,10 +89,9 @@ class StepRun:
         self.prefetch(0)
         for index, action in enumerate(self.actions):
             self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
-            self.index = index
+            self.index, self.stage = index, self.stages[index]
             self.execute(action)
-            replicated = self.pipe.replicas.group is not None
-            if replicated and self.training and self.pipe.last_backward.get(action.chunk) == index:
+            if self.syncs_after[index]:
                 self.sync_replicas(action.chunk)
         self.pipe.messenger.finish()
         self.sent_bytes = self.pipe.messenger.sent_bytes
@@ -108,12 +112,11 @@ class StepRun:
         except comms.CommError:
             raise
         except Exception as error:
-            stage = self._stage(action)
             raise StageError(
-                f"rank {self.pipe.global_rank}: {action} (virtual stage {stage}) failed: {error}"
+                f"rank {self.pipe.global_rank}: {action} (virtual stage {self.stage}) failed: {error}"
                 + self._input_note(action)
             ) from error
-        if self.pipe.device.type == "cuda":
+        if self.synchronizes_device:
             torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
         end = time.perf_counter()
         self.spans.append(Span(self.pipe.global_rank, action, start, end, messenger.wait_seconds))
@@ -128,7 +131,7 @@ class StepRun:
 
     def _input_note(self, action: Action) -> str:
         """For a failed forward: what the previous stage handed over, which names both stages."""
-        stage = self._stage(action)
+        stage = self.stage
         if action.op != "F" or stage == 0:
             return ""
         sender = self.pipe.placement.owner(stage - 1)[0]
@@ -137,7 +140,7 @@ class StepRun:
         return f"; its input came from stage {stage - 1} (rank {sender}) as {shown}"
 
     def forward(self, action: Action) -> None:
-        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
+        pipe, stage, mb = self.pipe, self.stage, action.microbatch
         if stage == 0:
             stage_input = self.inputs[mb]
         else:
@@ -182,7 +185,7 @@ class StepRun:
         return output
 
     def backward(self, action: Action) -> None:
-        pipe, stage, mb = self.pipe, self._stage(action), action.microbatch
+        pipe, stage, mb = self.pipe, self.stage, action.microbatch
         key = (mb, action.chunk)
         stash = self.stash[key]
         if stage == pipe.num_virtual - 1:
@@ -199,7 +202,7 @@ class StepRun:
         # A whole backward is one autograd call when the graph must be kept for some module anyway (not
         # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
         whole_graph = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
-        if whole or (not deferred and (whole_graph or modified_in_place(stash.captured))):
+        if whole or (not deferred and (whole_graph or self._whole_is_cheaper(stash.captured))):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
@@ -217,6 +220,12 @@ class StepRun:
         faults.point(action.op, pipe.steps_done)
         if stage > 0:
             pipe.messenger.send_gradient(stage, mb, input_grads)
+
+    @staticmethod
+    def _whole_is_cheaper(captured: list) -> bool:
+        """An outputs' gradient changed in place cannot be split off; with no gradient to add to yet, the
+        split would only add Python (``backward.nothing_to_accumulate``)."""
+        return modified_in_place(captured) is not None or nothing_to_accumulate(captured)
 
     def weight(self, action: Action) -> None:
         faults.point("W", self.pipe.steps_done)
