@@ -279,15 +279,6 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
         started.append(Launch(d(name), stages, flags))
         return started[-1]
 
-    def killed_job(name: str, die_after: int) -> Launch:
-        flags = _flags(
-            steps=STEPS, checkpoint_dir=d(name), checkpoint_every=5, keep_last=1, resume=True, losses=j(name)
-        )
-        started.append(
-            Launch(d(name), 2, [str(die_after), "train", *flags], restarts=1, module="tests.test_checkpoint")
-        )
-        return started[-1]
-
     probe = torch.randn(5, MODEL["hidden"], generator=torch.Generator().manual_seed(1))
     try:
         first = {"halt": train_job("halt", 2, steps=10), "four": train_job("four", 4, steps=10)}
@@ -306,7 +297,6 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
                 schedule="interleaved-1f1b",
                 microbatches=6,
             ),
-            "killed": killed_job("killed", die_after=12),
         }
         killed_save = run_ranks(_die_while_saving_step_10, 2, str(d("killed_save")), timeout=60, linger=False)
         logs |= {name: launch.result() for name, launch in second.items()}
@@ -341,18 +331,6 @@ def test_a_checkpoint_of_four_stages_resumes_on_two_and_three_on_the_same_loss_c
         first, losses = runs.losses(f"four_to_{stages}")
         assert first == 10 and losses == pytest.approx(runs.reference_losses[10:], rel=1e-5)
         assert f"at step 10 (saved by 4 stage(s), now {stages})" in runs.logs[f"four_to_{stages}"]
-
-
-@pytest.mark.slow
-def test_a_rank_killed_mid_run_is_restarted_by_torchrun_and_the_run_ends_as_if_it_never_died(runs):
-    log = runs.logs["killed"]
-    assert "to resume from: starting fresh" in log  # the first attempt
-    assert "checkpoint saved: " in log and "step_000010 (step 10)" in log
-    assert len(re.findall(r"^resumed from .*step_000010 at step 10 ", log, re.M)) == 1  # the second
-    assert runs.losses("killed") == (10, runs.reference_losses[10:])
-    assert _final_loss(log) == f"{runs.reference_losses[-1]:.6f}"
-    assert "--keep-last 1: removed step_000005" in log  # the first attempt, before it died
-    assert sorted(path.name for path in (runs.tmp / "killed").iterdir()) == ["step_000020"]
 
 
 @pytest.mark.slow
