@@ -61,3 +61,14 @@ def test_the_memory_check_counts_each_ranks_parameters_as_building_its_stage_wou
 def test_ranks_that_disagree_are_grouped_by_value():
     assert _who_has_what("--layers", [8, 6, 8]) == "--layers is 8 on ranks 0, 2 and 6 on rank 1"
     assert _who_has_what("--data", ["a.txt", None]) == "--data is 'a.txt' on rank 0 and None on rank 1"
+
+
+def test_checkpoint_options_without_a_checkpoint_directory_name_the_flags_given():
+    from pipeclock.app.train import _check_checkpointing
+
+    with pytest.raises(ValueError) as refused:
+        _check_checkpointing(TrainConfig(checkpoint_every=5, keep_last=2))
+    assert (
+        str(refused.value)
+        == "rank 0: --checkpoint-every and --keep-last need --checkpoint-dir (where the checkpoints go)"
+    )

@@ -259,16 +259,27 @@ def _validate(pipe: Pipeline, task, shard: slice) -> float:
     return sum(losses) / len(losses)
 
 
+CHECKPOINT_FLAGS = {
+    "--resume": "resume",
+    "--checkpoint-every": "checkpoint_every",
+    "--keep-last": "keep_last",
+}
+
+
 def _check_checkpointing(config: TrainConfig) -> None:
     rank = comms.get_rank()
     if config.checkpoint_every < 0:
-        raise ValueError(f"rank {rank}: checkpoint_every must be >= 0, got {config.checkpoint_every}")
+        raise ValueError(f"rank {rank}: --checkpoint-every must be >= 0, got {config.checkpoint_every}")
     if config.keep_last < 0:
         raise ValueError(
             f"rank {rank}: --keep-last must be >= 0 (0 keeps every checkpoint), got {config.keep_last}"
         )
-    if (config.resume or config.checkpoint_every or config.keep_last) and not config.checkpoint_dir:
-        raise ValueError(f"rank {rank}: resume, checkpoint_every and keep_last need a checkpoint_dir")
+    given = [flag for flag, value in CHECKPOINT_FLAGS.items() if getattr(config, value)]
+    if given and not config.checkpoint_dir:
+        needs = "needs" if len(given) == 1 else "need"
+        raise ValueError(
+            f"rank {rank}: {' and '.join(given)} {needs} --checkpoint-dir (where the checkpoints go)"
+        )
 
 
 def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
