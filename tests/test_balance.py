@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import combinations, pairwise
 
 import pytest
@@ -69,9 +70,13 @@ def test_impossible_cuts_are_refused_like_partition():
 
 def test_the_profile_measures_each_kind_once_so_identical_layers_cost_the_same():
     torch.set_num_threads(1)
-    layers = profile(mlp_spec(64, 5), samples=8, repeats=2, warmup=1)
+    spec = mlp_spec(64, 5)
+    built = []
+    layers = profile(replace(spec, build=lambda i: built.append(i) or spec.build(i)), 8, repeats=2, warmup=1)
     assert [layer.name for layer in layers] == ["0", "1", "2", "3", "4"]
-    assert len({(x.forward, x.backward) for x in layers[:-1]}) == 1  # the hidden layers: one measurement
+    # the first layer on its own (its input wants no gradient), one hidden layer for all, the last
+    assert built == [0, 1, 4]
+    assert len({(x.forward, x.backward) for x in layers[1:-1]}) == 1  # the hidden layers: one measurement
     assert all(x.forward > 0 and x.backward > 0 and x.parameters == 64 * 64 + 64 for x in layers)
     hidden = layers[1]
     # a Linear saves its input, the ReLU its output: one (8, 64) fp32 tensor each

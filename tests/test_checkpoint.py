@@ -410,10 +410,10 @@ def test_a_damaged_checkpoint_named_by_resume_is_one_error_on_every_rank_naming_
 @pytest.mark.slow
 def test_a_resume_trains_with_the_flags_settings_and_says_once_what_changed(runs):
     said, losses = runs.reference[0]["resumes"]["new lr"].values()
-    assert said.splitlines()[1] == "resume: --lr 0.01 (checkpoint had 0.001); --steps 12 (checkpoint had 20)"
+    assert said.splitlines()[1] == "resume: --lr 0.01 (checkpoint had 0.0003); --steps 12 (checkpoint had 20)"
     assert runs.reference[1]["resumes"]["new lr"]["said"] == ""  # rank 0 speaks for the run
     assert losses[0] == runs.reference_losses[10]  # the checkpoint's weights ...
-    assert losses[1] != runs.reference_losses[11]  # ... stepped at --lr 0.01, not the saved 0.001
+    assert losses[1] != runs.reference_losses[11]  # ... stepped at --lr 0.01, not the saved 0.0003
 
 
 @pytest.mark.slow

@@ -43,9 +43,12 @@ from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh
 # Per model, the defaults of the fields left at None. The MLP is wide enough that each micro-batch's
 # compute dwarfs the cost of a message, so the measured bubble is the schedule's, yet a run takes about
 # 20 s on 2 CPU cores. The GPT learns visibly (validation well under the bigram baseline) in about two
-# minutes on 2 cores.
+# minutes on 2 cores. The MLP's learning rate: at 1e-3 its 16 unnormalised layers overshoot (the loss
+# climbs at steps 8-14 and levels off near 0.085 after 60 steps, and any rounding, bf16's or a 0.1 %
+# change of rate, sends the run elsewhere); at 3e-4 the loss falls smoothly to 0.054, and bf16 ends 20
+# steps within 2 % of float32.
 MODEL_DEFAULTS = {
-    "mlp": {"layers": 16, "batch_size": 128, "steps": 60, "lr": 1e-3},
+    "mlp": {"layers": 16, "batch_size": 128, "steps": 60, "lr": 3e-4},
     "gpt": {"layers": 4, "batch_size": 16, "steps": 600, "lr": 3e-3},
 }
 

@@ -8,7 +8,8 @@ the engine's own functions, the last layer with the loss.
 
 Only one layer exists at a time (the memory wall: the profile must not need the whole model), and
 layers built alike (every block of a GPT, every hidden layer of the MLP) are measured once, with the
-output of the previous kind as input. Identical layers then cost exactly the same, so a cut by time
+output of the previous kind as input; the model's first layer is always measured on its own (its input
+wants no gradient, so its backward does less). Identical layers then cost exactly the same, so a cut by time
 follows the model's real differences, never the noise of a busy machine.
 """
 
@@ -170,20 +171,30 @@ def profile(
     """
     precision = parse_precision(dtype)
     inputs, targets = spec.batch(samples)
-    measured: dict[str, LayerCost] = {}
+    measured: dict[tuple[str, bool], LayerCost] = {}
     flowing = inputs
     for index in range(spec.num_layers):
         kind = spec.kind(index)
-        if kind in measured:
+        if _measured_as(spec, index) in measured:
             continue
         layer = spec.build(index)
         last = index == spec.num_layers - 1
         feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision)
         cost, flowing = _measure(layer, feed, repeats, warmup)
         checkpointed = _checkpointed_saves(layer, feed)
-        measured[kind] = replace(cost, kind=kind, samples=samples, checkpointed=checkpointed, dtype=dtype)
+        measured[_measured_as(spec, index)] = replace(
+            cost, kind=kind, samples=samples, checkpointed=checkpointed, dtype=dtype
+        )
         del layer
-    return [replace(measured[spec.kind(i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
+    return [replace(measured[_measured_as(spec, i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
+
+
+def _measured_as(spec: ModelSpec, index: int) -> tuple[str, bool]:
+    """Which measurement layer ``index`` shares: its kind's, but the model's first layer always has its
+    own. Its input is the batch, which wants no gradient, so its backward skips the input's gradient (for
+    a Linear, a matrix product as large as its forward): measured for the rest of its kind, it would make
+    every later layer's backward look several times cheaper than it is."""
+    return spec.kind(index), index == 0
 
 
 @dataclass(frozen=True)
