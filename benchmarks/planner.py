@@ -48,8 +48,10 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
-from pipeclock.observe.planner import cut_for, judge
+from pipeclock.models.split import partition
+from pipeclock.observe.planner import Recompute, Training, cut_for, judge
 from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+from pipeclock.observe.simulate import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
 MICROBATCHES = 8
@@ -86,6 +88,7 @@ class Model:
         return x, torch.randn(self.batch, self.hidden, generator=generator), F.mse_loss
 
 
+TINY = Model("ShardedMLP 16 x 16 (the engine alone)", "mlp", batch=256, hidden=16)
 MODELS = {
     "mlp": Model("ShardedMLP 16 x 1024, batch 256", "mlp", batch=256),
     "gpt": Model("GPT 4 blocks x 128 (vocab 256, seq 128), batch 16", "gpt", batch=16, gpt=GPTConfig()),
@@ -95,12 +98,41 @@ MODELS = {
 }
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the stages run beside the schedule: the compute dtype and the activation recompute."""
+
+    dtype: str = "fp32"
+    recompute: str = "none"
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        dtype, _, recompute = text.partition("/")
+        return cls(dtype, recompute or "none")
+
+    @property
+    def training(self) -> Training:
+        return Training(self.dtype, "adam", Recompute.parse(self.recompute))
+
+    @property
+    def pipeline_options(self) -> dict:
+        return {"dtype": self.dtype, "recompute": self.recompute}
+
+    def __str__(self) -> str:
+        return f"{self.dtype}/{self.recompute}"
+
+
+PLAIN = Variant()
+STEP_TOLERANCE = 0.15  # the target: a predicted step within 15 % of the measured one
+VARIANTS = ("fp32/none", "fp32/full", "fp32/every-2", "bf16/none", "bf16/full")
+
+
 def table_for(schedule: str, world: int, m: int):
     chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
     return generate(schedule, world, m, chunks)
 
 
-def measure_memory(model: Model, schedule: str, cut, steps: int):
+def measure_memory(model: Model, variant: Variant, schedule: str, cut, steps: int):
     """Build this rank's stage, train ``steps`` steps; the meter's peak and the resident growth.
 
     Returns the pipeline and its optimizer too, for the timed rounds that follow.
@@ -114,7 +146,7 @@ def measure_memory(model: Model, schedule: str, cut, steps: int):
     modules = model.build(rank, world, table, cut)
     built = rss.peak_bytes() - base
     inputs, targets, loss_fn = model.batch_data(0)
-    pipe = Pipeline(modules, table, MICROBATCHES, loss_fn)
+    pipe = Pipeline(modules, table, MICROBATCHES, loss_fn, **variant.pipeline_options)
     seen = {id(p): p for m in modules for p in m.parameters()}
     optimizer = torch.optim.Adam(list(seen.values()), lr=1e-4)
     peaks, growth = [], []
@@ -138,17 +170,22 @@ def _train_step(pipe: Pipeline, optimizer, inputs, targets) -> int:
     return pipe.last.peak_activation_bytes
 
 
-def timed_rounds(model: Model, schedule: str, cases: dict, rounds: int, steps: int) -> dict[str, list[dict]]:
-    """Rounds of (a fresh profile, then ``steps`` timed steps of each case in turn): each round's
-    prediction beside what it measured, so a machine whose speed drifts is judged round by round, and
-    cases run side by side (``cases``: name -> (cut, running pipeline)) see the same machine."""
+def timed_rounds(
+    model: Model, variant: Variant, schedule: str, cases: dict, rounds: int, steps: int
+) -> dict[str, list[dict]]:
+    """Rounds of (a fresh profile and engine overhead, then ``steps`` timed steps of each case in turn):
+    each round's prediction beside what it measured, so a machine whose speed drifts is judged round by
+    round, and cases run side by side (``cases``: name -> (cut, running pipeline)) see the same machine."""
     found: dict[str, list[dict]] = {name: [] for name in cases}
     for _ in range(rounds):
-        layers = shared_profile(model)
-        world = comms.get_world_size()
+        layers = shared_profile(model, variant)
+        overhead = engine_overhead(variant, schedule)
         predicted = {
-            name: judge(layers, schedule, world, MICROBATCHES, cut=cut).step_time
+            name: _predicted_step(layers, variant, schedule, cut, overhead)
             for name, (cut, _) in cases.items()
+        }
+        layers_only = {
+            name: _predicted_step(layers, variant, schedule, cut, 0.0) for name, (cut, _) in cases.items()
         }
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(steps):
@@ -159,6 +196,8 @@ def timed_rounds(model: Model, schedule: str, cases: dict, rounds: int, steps: i
             found[name].append(
                 {
                     "predicted_s": predicted[name],
+                    "layers_only_s": layers_only[name],
+                    "action_overhead_s": overhead,
                     "measured_s": statistics.median(seconds[name]),
                     "steps_s": seconds[name],
                     "load": os.getloadavg()[0],  # the machine's 1-minute load (2 cores here)
@@ -167,10 +206,37 @@ def timed_rounds(model: Model, schedule: str, cases: dict, rounds: int, steps: i
     return found
 
 
-def shared_profile(model: Model) -> list:
+def _predicted_step(layers, variant: Variant, schedule: str, cut, action_overhead: float) -> float:
+    world = comms.get_world_size()
+    plan = judge(
+        layers, schedule, world, MICROBATCHES, variant.training, cut=cut, action_overhead=action_overhead
+    )
+    return plan.step_time
+
+
+def engine_overhead(variant: Variant, schedule: str, steps: int = 10) -> float:
+    """The engine's own time per action on this machine, over gloo: the step of ``TINY`` (whose layers
+    cost next to nothing) divided by the schedule's makespan in actions, each action costing 1."""
+    world = comms.get_world_size()
+    table = table_for(schedule, world, MICROBATCHES)
+    placement = placement_of(table)
+    cut = partition(TINY.layers, placement.num_virtual)
+    modules = TINY.build(comms.get_rank(), world, table, cut)
+    inputs, targets, loss_fn = TINY.batch_data(0)
+    pipe = Pipeline(modules, table, MICROBATCHES, loss_fn, **variant.pipeline_options)
+    seconds = []
+    for step in range(steps + 2):
+        comms.barrier("lining up before a step of the tiny model")
+        pipe.step(inputs, targets)
+        if step >= 2:  # the first steps warm up
+            seconds.append(max(comms.all_gather_object(pipe.last.seconds, "sharing step times")))
+    return statistics.median(seconds) / simulate(table, dict.fromkeys("FBIW", 1.0)).makespan
+
+
+def shared_profile(model: Model, variant: Variant = PLAIN) -> list:
     """Every rank profiles the model at once (as busy as in the run), then all take the ranks' mean."""
     samples = model.batch // MICROBATCHES
-    mine = profile(model.spec(), samples)
+    mine = profile(model.spec(), samples, dtype=variant.dtype)
     everyone = comms.all_gather_object(mine, "sharing the profiles")
     times = ("forward", "backward", "input_grad", "weight_grad")
     return [
@@ -185,38 +251,50 @@ def worker(args: argparse.Namespace) -> None:
     GPT with a large vocabulary are timed side by side, step for step."""
     rank, world = comms.init(timeout=300.0)
     out = []
-    for key in args.models:
+    for key, variant, schedule in _cases(args):
         model = MODELS[key]
         balances = ("layers", "time") if key == "gpt-vocab" else ("layers",)
-        schedules = ("1f1b",) if key == "gpt-vocab" else SCHEDULES
-        for schedule in schedules:
-            layers = shared_profile(model)
-            num_virtual = placement_of(table_for(schedule, world, MICROBATCHES)).num_virtual
-            cuts = {balance: cut_for(layers, num_virtual, balance) for balance in balances}
-            memory, running = {}, {}
-            for balance, cut in cuts.items():
-                steps = 2 if args.phase == "memory" else 1
-                memory[balance], running[balance] = measure_memory(model, schedule, cut, steps)
-                if args.phase == "memory":
-                    running.pop(balance)  # measured alone: free it before the next
-            timed = {}
-            if args.phase == "time":
-                cases = {balance: (cuts[balance], running[balance]) for balance in cuts}
-                timed = timed_rounds(model, schedule, cases, args.rounds, args.steps)
-            running.clear()
-            for balance, cut in cuts.items():
-                ranks = comms.gather_object(memory[balance], "gathering a case")
-                if rank == 0:
-                    rounds = timed.get(balance, [])
-                    out.append(_record(key, model, schedule, balance, layers, cut, ranks, rounds))
+        layers = shared_profile(model, variant)
+        num_virtual = placement_of(table_for(schedule, world, MICROBATCHES)).num_virtual
+        cuts = {balance: cut_for(layers, num_virtual, balance, variant.training) for balance in balances}
+        memory, running = {}, {}
+        for balance, cut in cuts.items():
+            steps = 2 if args.phase == "memory" else 1
+            memory[balance], running[balance] = measure_memory(model, variant, schedule, cut, steps)
+            if args.phase == "memory":
+                running.pop(balance)  # measured alone: free it before the next
+        timed = {}
+        if args.phase == "time":
+            cases = {balance: (cuts[balance], running[balance]) for balance in cuts}
+            timed = timed_rounds(model, variant, schedule, cases, args.rounds, args.steps)
+        running.clear()
+        for balance, cut in cuts.items():
+            ranks = comms.gather_object(memory[balance], "gathering a case")
+            if rank == 0:
+                rounds = timed.get(balance, [])
+                out.append(_record(key, model, variant, schedule, balance, layers, cut, ranks, rounds))
     if rank == 0:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     comms.barrier("finishing")
     comms.shutdown()
 
 
-def _record(key: str, model: Model, schedule: str, balance: str, layers, cut, ranks, rounds) -> dict:
-    plan = judge(layers, schedule, len(ranks), MICROBATCHES, cut=cut, simulated=False)
+def _cases(args: argparse.Namespace):
+    """(model, variant, schedule) in the order they run: every variant of the MLP and the GPT, then the
+    large-vocabulary GPT's two cuts, in float32 without recompute."""
+    for key in args.models:
+        if key == "gpt-vocab":
+            yield key, PLAIN, "1f1b"
+            continue
+        for variant in map(Variant.parse, args.variants):
+            for schedule in SCHEDULES:
+                yield key, variant, schedule
+
+
+def _record(
+    key: str, model: Model, variant: Variant, schedule: str, balance: str, layers, cut, ranks, rounds
+) -> dict:
+    plan = judge(layers, schedule, len(ranks), MICROBATCHES, variant.training, cut=cut, simulated=False)
     if not rounds:  # the memory phase
         return {
             "activations": [m.activations for m in plan.memory],
@@ -230,9 +308,15 @@ def _record(key: str, model: Model, schedule: str, balance: str, layers, cut, ra
         "model": key,
         "description": model.name,
         "schedule": schedule,
+        "dtype": variant.dtype,
+        "recompute": variant.recompute,
         "balance": balance,
         "cut": [[part.start, part.stop] for part in cut],
-        "predicted": {"step_s": statistics.median(r["predicted_s"] for r in rounds)},
+        "predicted": {
+            "step_s": statistics.median(r["predicted_s"] for r in rounds),
+            "layers_only_s": statistics.median(r["layers_only_s"] for r in rounds),
+            "action_overhead_s": statistics.median(r["action_overhead_s"] for r in rounds),
+        },
         "measured": {"step_s": statistics.median(r["measured_s"] for r in rounds)},
         "step_ratio": statistics.median(r["predicted_s"] / r["measured_s"] for r in rounds),
         "rounds": rounds,
@@ -268,27 +352,41 @@ def markdown(records: list[dict], command: str, seconds: float, loads: list[floa
     lines = [
         "# The planner against real runs",
         "",
-        f"`{command}` ({seconds:.0f} s), 2 ranks, {MICROBATCHES} micro-batches, fp32, no recompute, Adam. "
+        f"`{command}` ({seconds:.0f} s), 2 ranks, {MICROBATCHES} micro-batches, Adam. "
         "Memory in MiB per rank (rank 0 / rank 1); error = (predicted - measured) / measured; the step's "
         "error is the median over rounds of each round's. The machine's 1-minute load average during the "
-        f"timed rounds: {min(loads):.1f} to {max(loads):.1f} (on 2 cores).",
+        f"timed rounds: {min(loads):.1f} to {max(loads):.1f} (on 2 cores). The predicted step is the "
+        "simulator fed with the layers' profile (layers only) and with the engine's own time per action, "
+        f"measured in the same round as the step of a model too small to compute ({TINY.name}) over the "
+        "schedule's makespan in actions.",
     ]
     compared = [r for r in records if r["balance"] == "layers" and r["model"] != "gpt-vocab"]
     if compared:
+        errors = [abs(r["step_ratio"] - 1) for r in compared]
+        within = sum(error <= STEP_TOLERANCE for error in errors)
         lines += [
             "",
-            "| model | schedule | activations predicted | measured | error | memory predicted "
-            "| resident growth | error | step predicted (ms) | measured (ms) | error |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"Step time: {within} of {len(compared)} predictions within {STEP_TOLERANCE:.0%} of the measured "
+            f"step (the largest error {max(errors):.1%}).",
+        ]
+    if compared:
+        lines += [
+            "",
+            "| model | schedule | dtype | recompute | activations predicted | measured | error "
+            "| memory predicted | resident growth | error | step, layers only (ms) | engine per action (ms) "
+            "| step predicted (ms) | measured (ms) | error |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
     for r in compared:
         p, m = r["predicted"], r["measured"]
         act_err = " / ".join(_error(a, b) for a, b in zip(p["activations"], m["activations"], strict=True))
         mem_err = " / ".join(_error(a, b) for a, b in zip(p["total"], m["rss_growth"], strict=True))
         lines.append(
-            f"| {r['model']} | {r['schedule']} | {' / '.join(map(_mb, p['activations']))} "
+            f"| {r['model']} | {r['schedule']} | {r['dtype']} | {r['recompute']} "
+            f"| {' / '.join(map(_mb, p['activations']))} "
             f"| {' / '.join(map(_mb, m['activations']))} | {act_err} | {' / '.join(map(_mb, p['total']))} "
-            f"| {' / '.join(map(_mb, m['rss_growth']))} | {mem_err} | {p['step_s'] * 1e3:.1f} "
+            f"| {' / '.join(map(_mb, m['rss_growth']))} | {mem_err} | {p['layers_only_s'] * 1e3:.1f} "
+            f"| {p['action_overhead_s'] * 1e3:.2f} | {p['step_s'] * 1e3:.1f} "
             f"| {m['step_s'] * 1e3:.1f} | {_step_error(r)} |"
         )
     balanced = [r for r in records if r["model"] == "gpt-vocab"]
@@ -354,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("memory", "time"), help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), metavar="DTYPE/RECOMPUTE",
+        help=f"how the stages run, each over every schedule (default {' '.join(VARIANTS)})",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case, each after a profile")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--quick", action="store_true", help="two rounds of one step per case")
@@ -375,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = [
                 "--models",
                 *args.models,
+                "--variants",
+                *args.variants,
                 "--rounds",
                 str(rounds),
                 "--steps",

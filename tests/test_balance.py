@@ -10,7 +10,7 @@ import torch
 
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
-from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+from pipeclock.observe.profile import ALIKE, gpt_spec, mlp_spec, profile
 
 
 def largest_stage(costs, cut) -> float:
@@ -70,12 +70,13 @@ def test_impossible_cuts_are_refused_like_partition():
 
 def test_the_profile_measures_each_kind_once_so_identical_layers_cost_the_same():
     torch.set_num_threads(1)
-    spec = mlp_spec(64, 5)
+    spec = mlp_spec(64, 7)
     built = []
     layers = profile(replace(spec, build=lambda i: built.append(i) or spec.build(i)), 8, repeats=2, warmup=1)
-    assert [layer.name for layer in layers] == ["0", "1", "2", "3", "4"]
-    # the first layer on its own (its input wants no gradient), one hidden layer for all, the last
-    assert built == [0, 1, 4]
+    assert [layer.name for layer in layers] == [str(i) for i in range(7)]
+    # the first layer on its own (its input wants no gradient); the hidden ones timed in turn as a stage
+    # runs them, ALIKE of them at most; the last
+    assert built == [0, *range(1, 1 + ALIKE), 6]
     assert len({(x.forward, x.backward) for x in layers[1:-1]}) == 1  # the hidden layers: one measurement
     assert all(x.forward > 0 and x.backward > 0 and x.parameters == 64 * 64 + 64 for x in layers)
     hidden = layers[1]

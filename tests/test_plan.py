@@ -85,6 +85,11 @@ def test_every_k_checkpoints_every_kth_layer_which_keeps_what_it_keeps_when_chec
     every2 = stage_bytes(blocks, Training(recompute=Recompute.parse("every-2")))
     assert none.forward - every2.forward == 3 * (3 * MB_TENSOR)  # layers 1, 3 and 5 drop their insides
     assert every2.backward_extra == 4 * MB_TENSOR  # one rebuilt block: its input and insides
+    # what the meter misses (views' whole storages, the engine's captures) only outside checkpoints
+    missed = [replace(x, unmetered=MB_TENSOR) for x in blocks]
+    assert stage_bytes(missed).unmetered == 6 * MB_TENSOR
+    assert stage_bytes(missed, Training(recompute=Recompute.parse("every-2"))).unmetered == 3 * MB_TENSOR
+    assert stage_bytes(missed, Training(recompute=Recompute.parse("full"))).unmetered == 0
     assert [Recompute.parse("every-2").checkpointed(i) for i in range(4)] == [False, True, False, True]
 
 
@@ -136,6 +141,8 @@ def test_the_step_time_is_the_simulator_fed_with_each_stages_own_costs():
     assert timeline.makespan == 9
     recomputed = step_time(model, cut, gpipe(2, 1), Training(recompute=Recompute.parse("full")))
     assert recomputed.makespan == 9 + 1 + 2  # each backward runs its stage's forward again
+    # the engine's own time per action lengthens each of the four on the critical path alike
+    assert step_time(model, cut, gpipe(2, 1), action_overhead=0.5).makespan == 9 + 4 * 0.5
 
 
 def test_judging_a_configuration_cuts_sizes_and_simulates_it():
@@ -187,6 +194,7 @@ def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys)
         (["--params", "ten"], "--params takes a number"),
         (["--params", "1e6", "--schedules", "2f2b"], "unknown schedule '2f2b'"),
         (["--params", "1e6", "--recompute", "some"], "unknown recompute 'some'"),
+        (["--params", "1e6", "--action-overhead", "1"], "--action-overhead needs a measured model"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_code_2(monkeypatch, capsys, args, message):

@@ -16,7 +16,7 @@ import argparse
 import math
 import sys
 
-from pipeclock.app.arguments import check_output, positive_int
+from pipeclock.app.arguments import check_output, non_negative_float, positive_int
 from pipeclock.observe.planner import (
     BALANCES,
     OPTIMIZER_STATE_BYTES,
@@ -101,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--threads", type=positive_int, default=1, help="threads while measuring layers (default 1)"
     )
+    grid.add_argument(
+        "--action-overhead", type=non_negative_float, default=0.0, metavar="MS",
+        help="the engine's own time per action, added to its layers' (a measured model only): about 1 ms "
+        "on 2 CPU cores over gloo (python -m benchmarks.planner measures it) (default 0)",
+    )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the memory per rank into this PNG file")
 
 
@@ -124,6 +129,11 @@ def _plan(args: argparse.Namespace) -> int:
     recomputes = [Recompute.parse(text) for text in _list(args.recompute, "--recompute")]
     training = Training(args.dtype, args.optimizer)
     model = model_layers(args)
+    if args.action_overhead and model.time_unit != "ms":
+        raise ValueError(
+            "--action-overhead needs a measured model: a rough one (--params) times its layers in layer "
+            "forwards, not milliseconds"
+        )
     layers, unit = model.layers, model.time_unit
     stages = _stages(args.stages, len(layers))
     _check_one_layer_fits(layers, training, device, binary)
@@ -131,7 +141,10 @@ def _plan(args: argparse.Namespace) -> int:
     microbatches = _microbatches(args.microbatches, model.batch_size)
 
     print(describe_model(model, training, device, binary))
-    plans = _search(model, schedules, stages, microbatches, recomputes, training, args.balance, device)
+    overhead = args.action_overhead / 1e3
+    plans = _search(
+        model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead
+    )
     fewest = min((plan.stages for plan in plans if plan.fits(device)), default=None)
     print()
     print("\n".join(_reasoning(model, training, device, binary, stages, plans, fewest)))
@@ -155,7 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search(model, schedules, stages, microbatches, recomputes, training, balance, device):
+def _search(model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0):
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
     from pipeclock.observe.planner import judge
 
@@ -171,7 +184,7 @@ def _search(model, schedules, stages, microbatches, recomputes, training, balanc
                     except ValueError:
                         continue  # this schedule cannot take (p, m) or this many stages
                     if plan.fits(device):
-                        plan = judge(layers, name, p, m, config, balance)
+                        plan = judge(layers, name, p, m, config, balance, action_overhead=overhead)
                     plans.append(plan)
     return plans
 
