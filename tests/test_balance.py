@@ -91,6 +91,10 @@ def test_the_profile_of_a_gpt_names_its_pieces_and_a_checkpointed_block_keeps_on
     assert [x.name for x in layers] == ["embed", "h0", "h1", "h2", "head"]
     assert layers[1].held > layers[1].output_bytes  # a block saves far more than it hands on
     assert layers[1].checkpointed == (0, layers[1].input_bytes, 0)
+    # what W keeps after I: the Linears' inputs, which the forward saved too, and their outputs'
+    # gradients, which are new; only those count when the forward's graph stays until W
+    block = layers[1]
+    assert block.keeps_graph and 0 < block.weight_extra < block.weight_held
 
 
 def _my_layers(rank, world, balance):

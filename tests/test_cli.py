@@ -19,6 +19,7 @@ import pytest
 
 from pipeclock.app.arguments import DefaultsHelpFormatter, shows_default
 from pipeclock.app.cli import COMMANDS, build_parser, main
+from pipeclock.app.commands.train import StepsSeen
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 120  # seconds: only a hung run gets near it
@@ -238,3 +239,12 @@ def test_sigterm_ends_a_run_with_one_line_and_128_plus_the_signal(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM
     err = process.stderr.read()
     assert err.startswith("rank 0: stopped by SIGTERM at step ") and err.count("\n") == 1, err
+
+
+def test_an_interrupt_names_the_step_the_rank_is_in():
+    seen = StepsSeen()
+    assert seen.where() == "before the first step"  # still setting up
+    seen.begin(10)  # a run resumed at step 10
+    assert seen.where() == "at step 10"  # in step 10, perhaps still in its optimizer step
+    seen(10, 0.5)
+    assert seen.where() == "at step 11"

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from pipeclock import schedule
+from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.microbatch import loss_weights, microbatch_sizes, split_microbatches
 from pipeclock.model import ShardedMLP
 from pipeclock.observe.metrics import ProcessMeter, gather_run
@@ -92,6 +93,23 @@ def test_every_action_has_one_span_in_order_and_spans_do_not_overlap(two_rank_st
             assert all(s.rank == rank and 0 <= s.wait <= s.end - s.start for s in spans)
             assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
     assert per_rank[0]["gathered"] == (2, 4) and per_rank[1]["gathered"] is None
+
+
+def test_a_tensor_the_forward_saved_and_w_keeps_is_counted_once():
+    linear = torch.nn.Linear(8, 8)
+    meter = ActivationMeter([linear])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring("mb", stashed=[]):
+        y = linear(x)  # autograd saves x for the weight's gradient
+    meter.hold("mb")
+    assert meter.live == x.nbytes
+    output_grad = torch.ones_like(y)
+    meter.update("mb", [x.detach(), output_grad], add=True)  # the graph stays; W keeps x and the gradient
+    assert meter.live == x.nbytes + output_grad.nbytes, "x is one tensor, held once"
+    meter.update("mb", [x.detach(), output_grad], add=False)  # the graph freed: W's tensors alone
+    assert meter.live == x.nbytes + output_grad.nbytes
+    meter.release("mb")
+    assert meter.live == 0 and meter.peak == x.nbytes + output_grad.nbytes
 
 
 @pytest.mark.slow

@@ -109,6 +109,9 @@ def test_the_activation_peak_follows_the_ranks_own_order_of_actions():
     (split,) = parse_schedule(["F0 I0 F1 W0 I1 W1"])
     assert activation_peak(split, chunk, keeps_graph=False) == 14  # after I0 only W's 4 bytes stay
     assert activation_peak(split, chunk, keeps_graph=True) == 24  # the graph stays too: 14 + 10
+    # of W's 4 bytes, 3 are tensors the forward already keeps (a Linear's input): counted once
+    once = [replace(chunk[0], weight_beyond=1)]
+    assert activation_peak(split, once, keeps_graph=True) == 21 and activation_peak(split, once, False) == 14
 
 
 def test_rank_memory_adds_weights_gradients_adam_state_activations_and_message_buffers():

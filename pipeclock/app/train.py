@@ -170,8 +170,9 @@ def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter
     return list(seen.values())
 
 
-def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
-    """Run the steps up to ``config.steps``; ``on_step(step, loss)`` is called on every rank after each.
+def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> TrainResult:
+    """Run the steps up to ``config.steps``; ``on_step(step, loss)`` is called on every rank after each,
+    ``on_begin(step)`` before the first (the step a resumed run starts at).
 
     For a language model ``on_eval(steps_done, loss)`` follows each validation (every ``eval_every``
     steps and after the last). Before the first step the ranks agree on the configuration, and the
@@ -191,6 +192,8 @@ def train(config: TrainConfig, on_step=None, on_eval=None) -> TrainResult:
     if start >= config.steps:  # resumed from the run's last checkpoint: nothing left to do
         return TrainResult([], [], None, modules, start, resumed.loss)
     pipe.steps_done = start
+    if on_begin:
+        on_begin(start)
     meter, gpu = ProcessMeter(), GpuUtilization()
     losses, records, validation = [], [], []
     for step in range(start, config.steps):

@@ -29,12 +29,14 @@ class ActivationMeter:
         self._owners: list[nn.Module] | None = None  # the modules holding parameters, found once a step
         self._parameter_pointers: set[int] = set()
         self._bytes: dict[object, int] = {}
+        self._forward: dict[object, set[tuple[int, int]]] = {}  # each micro-batch's forward tensors
         self.live = 0
         self.peak = 0
 
     def reset(self) -> None:
         """Start a new step: nothing held, no peak yet."""
         self._bytes.clear()
+        self._forward.clear()
         self.live = self.peak = 0
         self._owners = None
 
@@ -67,12 +69,12 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
         located = [(t.data_ptr(), t.nbytes) for t in stashed]
-        self._bytes[key] = self._distinct_bytes(saved + located)
+        self._forward[key] = self._distinct(saved + located)
+        self._bytes[key] = sum(nbytes for _, nbytes in self._forward[key])
 
-    def _distinct_bytes(self, located: list[tuple[int, int]]) -> int:
-        """Bytes of the distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
-        distinct = {item for item in located if item[0] not in self._parameter_pointers}
-        return sum(nbytes for _, nbytes in distinct)
+    def _distinct(self, located: list[tuple[int, int]]) -> set[tuple[int, int]]:
+        """The distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
+        return {item for item in located if item[0] not in self._parameter_pointers}
 
     def hold(self, key: object) -> None:
         """The micro-batch ``key`` has finished its forward: its bytes are now held."""
@@ -81,9 +83,12 @@ class ActivationMeter:
 
     def update(self, key: object, tensors: list[torch.Tensor], add: bool) -> None:
         """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
-        forward's tensors: a split backward's B frees the graph but keeps what W needs."""
-        located = [(t.data_ptr(), t.nbytes) for t in tensors]
-        held = self._distinct_bytes(located) + (self._bytes[key] if add else 0)
+        forward's tensors: a split backward's B frees the graph but keeps what W needs. Besides: a tensor
+        both saved by the forward and kept for W (a Linear's input) is counted once."""
+        kept = self._distinct([(t.data_ptr(), t.nbytes) for t in tensors])
+        if add:
+            kept |= self._forward[key]
+        held = sum(nbytes for _, nbytes in kept)
         self.live += held - self._bytes[key]
         self._bytes[key] = held
         self.peak = max(self.peak, self.live)
@@ -91,6 +96,7 @@ class ActivationMeter:
     def release(self, key: object) -> None:
         """The micro-batch ``key`` has finished its backward: its bytes are freed."""
         self.live -= self._bytes.pop(key)
+        self._forward.pop(key, None)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

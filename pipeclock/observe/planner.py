@@ -161,6 +161,7 @@ class StageBytes:
     forward: int
     weight_work: int
     backward_extra: int
+    weight_beyond: int | None = None  # of weight_work, what the forward's graph does not keep (None: all)
     loss: int = 0  # what the loss keeps from F to the backward (the meter does not count it)
     unmetered: int = 0  # what F keeps beyond the meter's count: whole storages behind views, captures
     workspace: int = 0  # the largest temporary any of its layers needs while it runs
@@ -184,10 +185,16 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
             default=0,
         )
     weight_work = sum(layer.weight_held for layer in layers)
+    # while the graph stays until W, a layer's kept inputs are already the forward's (unless checkpointed)
+    beyond = sum(
+        x.weight_held if c or x.weight_extra is None else x.weight_extra
+        for x, c in zip(layers, checkpointed, strict=True)
+    )
     return StageBytes(
         round(total * scale),
         round(weight_work * scale),
         round(extra * scale),
+        weight_beyond=round(beyond * scale),
         loss=layers[-1].loss_held,
         # a checkpointed layer's forward keeps nothing, so none of what the meter misses either
         unmetered=round(sum(x.unmetered for x, c in zip(layers, checkpointed, strict=True) if not c) * scale),
@@ -348,7 +355,8 @@ def activation_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], kee
     """The most activation bytes one rank holds while it works through ``actions`` in order.
 
     ``chunks[c]`` is what its chunk c holds per micro-batch. A split backward's I swaps the forward's
-    bytes for what W needs (plus the forward's, when W goes back through the graph: ``keeps_graph``).
+    bytes for what W needs, or, when W goes back through the graph (``keeps_graph``), keeps them and adds
+    what W needs beyond them (a Linear's input is both, and counted once, as the meter counts it).
     A recomputed span's rebuild is the backward's working memory, not counted here (nor by the meter).
     """
     held: dict[tuple[int, int], int] = {}
@@ -362,7 +370,8 @@ def activation_peak(actions: Sequence[Action], chunks: Sequence[StageBytes], kee
             if action.op == "B":
                 live -= held.pop(key)
             else:
-                after = (chunk.forward if keeps_graph else 0) + chunk.weight_work
+                beyond = chunk.weight_work if chunk.weight_beyond is None else chunk.weight_beyond
+                after = chunk.forward + beyond if keeps_graph else chunk.weight_work
                 live += after - held[key]
                 held[key] = after
         else:  # W

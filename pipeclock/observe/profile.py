@@ -82,6 +82,9 @@ class LayerCost:
     # module (ShardedMLP's ReLU runs after its checkpointed Linear and still saves its output)
     checkpointed: tuple[int, int, int] | None = None  # (held, keeps_input, keeps_output)
     dtype: str = "fp32"  # the compute dtype it was measured in (``--dtype``): its sizes and times are its
+    # of ``weight_held``, what the forward does not already keep (a Linear's input is both): what W adds
+    # when the forward's graph stays until W (None: all of it)
+    weight_extra: int | None = None
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -97,8 +100,8 @@ class LayerCost:
         """
         k = samples / self.samples
         sizes = ("held", "keeps_input", "keeps_output", "input_bytes", "output_bytes", "message_bytes")
-        scaled = (*sizes, "weight_held", "workspace", "loss_held", "unmetered")
-        changed = {name: round(getattr(self, name) * k) for name in scaled}
+        scaled = (*sizes, "weight_held", "weight_extra", "workspace", "loss_held", "unmetered")
+        changed = {name: round(value * k) for name in scaled if (value := getattr(self, name)) is not None}
         times = {
             name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
         }
@@ -423,6 +426,7 @@ def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
         "output_bytes": total(new_outputs),
         "message_bytes": total(outputs),
         "weight_held": total(located(record.held_after_input_grad)),
+        "weight_extra": total(located(record.held_after_input_grad) - saved - inputs - outputs),
     }
 
 

@@ -213,16 +213,20 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
 
 
 class StepsSeen:
-    """The last step this rank finished, to say where an interruption found it."""
+    """The step this rank is in, to say where an interruption found it: a rank still finishing a step
+    (its optimizer's update) when a faster peer has reported it is in that step, not the next."""
 
     def __init__(self) -> None:
-        self.last: int | None = None
+        self.current: int | None = None  # None: the steps have not begun
+
+    def begin(self, step: int) -> None:
+        self.current = step
 
     def __call__(self, step: int, loss: float) -> None:
-        self.last = step
+        self.current = step + 1
 
     def where(self) -> str:
-        return "before the first step" if self.last is None else f"at step {self.last + 1}"
+        return "before the first step" if self.current is None else f"at step {self.current}"
 
 
 def _interrupted(code: int, steps: StepsSeen) -> int:
@@ -248,7 +252,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
         steps(step, loss)
         progress(step, loss)
 
-    result = train(config, on_step=on_step, on_eval=progress.validation)
+    result = train(config, on_step=on_step, on_eval=progress.validation, on_begin=steps.begin)
     progress.close()
     if not boss:
         return 0
