@@ -297,9 +297,6 @@ class PendingSend:
         what = self.what or f"sending a tensor of shape {tuple(self.tensor.shape)}"
         wait(self.work, f"{what} to rank {self.dest}", self.dest)
 
-    def done(self) -> bool:
-        return self.work.is_completed()
-
 
 @dataclass
 class PendingRecv:

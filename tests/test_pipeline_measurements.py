@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -14,8 +15,11 @@ import torch
 from PIL import Image
 
 from pipeclock import schedule
+from pipeclock.engine.actions import placement_of
 from pipeclock.engine.memory import ActivationMeter
+from pipeclock.engine.messenger import ACTIVATION, GRADIENT, sends_done_by
 from pipeclock.engine.microbatch import loss_weights, microbatch_sizes, split_microbatches
+from pipeclock.engine.step_run import StepRun
 from pipeclock.model import ShardedMLP
 from pipeclock.observe.metrics import ProcessMeter, gather_run
 from pipeclock.observe.simulate import simulate
@@ -37,14 +41,32 @@ def test_split_microbatches_sizes_differ_by_at_most_one_and_weights_sum_to_one()
 
 
 def _peaks_and_spans(rank: int, world: int) -> dict:
-    out = {}
+    out = {"messages held": {}}
     for name in ("naive", "gpipe", "1f1b", "zb-h1"):
         pipe = schedule.Pipeline(ShardedMLP(16, 8, rank, world), name, 4)
-        pipe.step(torch.randn(16, 16), torch.randn(16, 16))
+        with _counting_messages_held(pipe) as held:
+            pipe.step(torch.randn(16, 16), torch.randn(16, 16))
         out[name] = (pipe.last.peak_activation_bytes, pipe.last.spans, [str(a) for a in pipe.actions])
+        out["messages held"][name] = (max(held), pipe.messenger.messages_held)
     report = gather_run([pipe.last], ProcessMeter())
     out["gathered"] = None if report is None else (len(report.ranks), report.timelines[0].num_microbatches)
     return out
+
+
+@contextlib.contextmanager
+def _counting_messages_held(pipe: schedule.Pipeline):
+    """The number of sent messages the rank still holds, read after each of its actions."""
+    held, execute = [], StepRun.execute
+
+    def counted(run: StepRun, action) -> None:
+        execute(run, action)
+        held.append(pipe.messenger.messages_held)
+
+    StepRun.execute = counted
+    try:
+        yield held
+    finally:
+        StepRun.execute = execute
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +115,30 @@ def test_every_action_has_one_span_in_order_and_spans_do_not_overlap(two_rank_st
             assert all(s.rank == rank and 0 <= s.wait <= s.end - s.start for s in spans)
             assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
     assert per_rank[0]["gathered"] == (2, 4) and per_rank[1]["gathered"] is None
+
+
+def test_a_sent_message_is_let_go_once_the_schedule_shows_it_arrived(two_rank_steps):
+    """1F1B keeps two micro-batches in flight on two ranks, so it holds two sent messages at most: an
+    activation is let go when its gradient comes back, a gradient when the forward the other rank runs
+    after taking it delivers its activation. GPipe sends all four before anything comes back. After the
+    step nothing is held."""
+    rank0, rank1 = (results["messages held"] for results in two_rank_steps)
+    assert rank0["1f1b"] == rank1["1f1b"] == (2, 0)
+    assert rank0["gpipe"] == rank1["gpipe"] == (4, 0)
+
+
+def test_the_gradients_a_rank_sent_are_known_taken_by_the_next_activation_that_follows_them():
+    table = schedule.generate("1f1b", 2, 4)  # rank 0: F0 F1 B0 F2 B1 F3 B2 B3
+    placement = placement_of(table)
+    done = sends_done_by(table, placement, rank=1)
+    gradient = lambda mb: (GRADIENT, 0, mb)  # noqa: E731  the gradient rank 1 sends to stage 0
+    assert done == {
+        (ACTIVATION, 1, 0): [],
+        (ACTIVATION, 1, 1): [],
+        (ACTIVATION, 1, 2): [gradient(0)],
+        (ACTIVATION, 1, 3): [gradient(1)],
+    }
+    assert sends_done_by(table, placement, rank=0) == {}  # the first stage receives no activation
 
 
 def test_a_tensor_the_forward_saved_and_w_keeps_is_counted_once():

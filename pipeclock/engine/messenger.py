@@ -11,8 +11,15 @@ Who owns a stage is the schedule's placement: a loop, a V, or whatever a CSV fil
 An activation is a pytree (``pipeclock.engine.pytree``): one tensor, or a tuple, list or dict of them.
 Each leaf is one message with its own tag (kind, leaf, stage, micro-batch), so on gloo arrival order does
 not matter and receives can be posted early (``expect_*``) to overlap the transfer with computation.
-Sends never block the sender; they are waited for in ``finish``. When both stages live on this rank
-(one rank with several chunks) the tree is handed over in memory.
+Sends never block the sender. A send holds its tensor until it is waited for, and on gloo a send is
+done only once its receiver has posted the receive, which ``is_completed`` does not report before a
+wait. So a send is waited for as soon as it is known to be done: an activation's once its gradient comes
+back (the next stage computed that gradient from it, so it arrived); a gradient's once an activation
+comes from the rank it went to, sent by a forward that rank runs after the backward that took it (the
+schedule says which: ``sends_done_by``); any send left, in ``finish``.
+Waiting only in ``finish`` held every activation this rank sent until the end of the step, one per
+micro-batch, where 1F1B means to hold a few. When both stages live on this rank (one rank with several
+chunks) the tree is handed over in memory.
 
 A receiver cannot know the structure and shapes of an activation it has never seen (widths change
 between stages, a stage may hand on several tensors), so the first activation of each (stage,
@@ -29,12 +36,14 @@ placement.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pipeclock import comms
 from pipeclock.engine import pytree
+from pipeclock.engine.actions import Action
 from pipeclock.engine.placement import Placement
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
@@ -77,9 +86,11 @@ class Messenger:
         placement: Placement,
         peers: list[int] | None = None,
         wire_dtype: torch.dtype | None = None,
+        table: Sequence[Sequence[Action]] = (),
     ):
         """``rank`` is this rank in the pipeline; ``peers`` the global rank of each (default: the same);
-        ``wire_dtype`` the dtype floating messages travel in (default: their own)."""
+        ``wire_dtype`` the dtype floating messages travel in (default: their own); ``table`` every
+        rank's actions, which tell when a gradient this rank sent has been taken."""
         if placement.num_virtual > MAX_STAGES:
             raise ValueError(f"rank {rank}: at most {MAX_STAGES} virtual stages, got {placement.num_virtual}")
         self.peers = list(range(placement.num_ranks)) if peers is None else peers
@@ -90,7 +101,8 @@ class Messenger:
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
         self._incoming: dict[tuple[int, int, int], _Incoming] = {}
         self._local: dict[tuple[int, int, int], object] = {}
-        self._sends: list[comms.PendingSend] = []
+        self._sends: dict[tuple[int, int, int], list[comms.PendingSend]] = {}  # by message key
+        self._done_by = sends_done_by(table, placement, rank) if table else {}
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
         self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
@@ -111,12 +123,12 @@ class Messenger:
             self._announced.add((target, size))
             header = pytree.encode_header(output, comms.device())
             tag = message_tag(HEADER, target, microbatch)
-            self._send(comms.isend(header, dest, tag, "sending an activation's structure"))
+            key = (ACTIVATION, target, microbatch)
+            self._send(key, comms.isend(header, dest, tag, "sending an activation's structure"))
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
         for leaf_index, leaf in enumerate(pytree.leaves(output)):
             tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
-            self._send(comms.isend(self._to_wire(leaf), dest, tag, what))
-        self._forget_finished_sends()
+            self._send((ACTIVATION, target, microbatch), comms.isend(self._to_wire(leaf), dest, tag, what))
 
     def send_gradient(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
         """The gradients of stage ``stage``'s floating input leaves go back to stage - 1."""
@@ -128,8 +140,7 @@ class Messenger:
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
         for leaf_index, grad in enumerate(grads):
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
-            self._send(comms.isend(self._to_wire(grad), dest, tag, what))
-        self._forget_finished_sends()
+            self._send((GRADIENT, target, microbatch), comms.isend(self._to_wire(grad), dest, tag, what))
 
     def _wire(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
@@ -141,9 +152,6 @@ class Messenger:
     def _through_wire(self, leaf: torch.Tensor) -> torch.Tensor:
         """What a receiver on another rank would get: rounded to the wire dtype, widened back."""
         return self._to_wire(leaf).to(leaf.dtype).detach()
-
-    def _forget_finished_sends(self) -> None:
-        self._sends = [send for send in self._sends if not send.done()]
 
     # --- receiving -------------------------------------------------------------------------------------
 
@@ -198,9 +206,14 @@ class Messenger:
                 del self._header_carrier[(key[1], size)]
                 incoming = _Incoming(self._post_leaves(key, header.src, shapes), spec)
             received = [pending.wait() for pending in incoming.pending]
-            return received if incoming.spec is None else pytree.unflatten(received, incoming.spec)
         finally:
             self.wait_seconds += time.perf_counter() - start
+        kind, stage, microbatch = key
+        done = [(ACTIVATION, stage + 1, microbatch)] if kind == GRADIENT else self._done_by.get(key, ())
+        for sent in done:  # their receivers have them: the waits return at once, the tensors are freed
+            for send in self._sends.pop(sent, ()):
+                send.wait()
+        return received if incoming.spec is None else pytree.unflatten(received, incoming.spec)
 
     def _post_leaves(self, key, src: int, shapes) -> list[comms.PendingRecv | _Widened]:
         kind, stage, microbatch = key
@@ -218,17 +231,50 @@ class Messenger:
 
     # --- the end of a step -----------------------------------------------------------------------------
 
-    def _send(self, pending: comms.PendingSend) -> None:
-        self._sends.append(pending)
+    def _send(self, key: tuple[int, int, int], pending: comms.PendingSend) -> None:
+        self._sends.setdefault(key, []).append(pending)
         self.sent_bytes += pending.tensor.numel() * pending.tensor.element_size()
+
+    @property
+    def messages_held(self) -> int:
+        """Messages to other ranks whose sends still hold their tensors (not yet known done)."""
+        return len(self._sends)
 
     def finish(self) -> None:
         """Wait for every send of this step; nothing may be left half-received."""
-        sends, self._sends = self._sends, []
-        for send in sends:
+        sends, self._sends = self._sends, {}
+        for send in (send for posted in sends.values() for send in posted):
             send.wait()
         leftover = sorted(self._incoming) + sorted(self._local)
         if leftover:
             self._incoming.clear()
             self._local.clear()
             raise RuntimeError(f"rank {self.rank}: messages posted but never used this step: {leftover}")
+
+
+def sends_done_by(
+    table: Sequence[Sequence[Action]], placement: Placement, rank: int
+) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:
+    """For each activation ``rank`` receives, the gradients it sent that are surely taken by then (those
+    taken since the sender's previous forward of that stage; the earlier ones are freed before).
+
+    The gradient of micro-batch k for stage s goes to the owner of s, which takes it in its backward of
+    (s, k). An activation that owner sends later, from a forward of s that comes after that backward in
+    its actions, can only arrive once the gradient was taken: its send is then done.
+    """
+    found: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    for stage in placement.stages[rank]:
+        if stage == 0:
+            continue
+        sender, chunk = placement.owner(stage - 1)
+        if sender == rank:
+            continue
+        taken = []  # the gradients the sender took since its previous forward of the stage
+        for action in table[sender]:
+            if action.chunk != chunk:
+                continue
+            if action.op in ("B", "I"):
+                taken.append((GRADIENT, stage - 1, action.microbatch))
+            elif action.op == "F":
+                found[(ACTIVATION, stage, action.microbatch)], taken = taken, []
+    return found

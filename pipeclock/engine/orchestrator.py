@@ -128,7 +128,8 @@ class Pipeline:
         self.first_rank = self.placement.owner(0)[0]
         self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
         self.precision = parse_precision(dtype)
-        self.messenger = Messenger(self.rank, self.placement, self.peers, self.precision.wire_dtype)
+        wire = self.precision.wire_dtype
+        self.messenger = Messenger(self.rank, self.placement, self.peers, wire, self.table)
         self.meter = ActivationMeter(self.chunks) if measure_memory else None
         recomputed = apply_recompute(self.chunks, recompute)
         self.parameter_outputs = ParameterOutputs(self.chunks, recomputed)
