@@ -11,11 +11,19 @@ before the stage is built to its high-water mark (``VmHWM``), and the step time 
 kind (one thread, the micro-batch the run uses, all ranks at once as in the run, so a busy machine
 slows both alike), and the planner predicts the same three figures from the ranks' mean profile.
 
-Memory and time are measured in separate launches. Memory is read with glibc's mmap threshold fixed
+Memory and time are measured in separate launches, memory in one launch per case: a process that ran
+other cases first keeps their heap, and its high-water mark would carry their history (a GPT's ZB-H1
+grew by 22 / 27 MiB after the other cases, by 18.8 / 24 MiB in five launches of its own). Memory is
+read with glibc's mmap threshold fixed
 low (``MALLOC_MMAP_THRESHOLD_``, 16 KiB): by default glibc raises it as large blocks are freed, after
 which freed tensors stay in its heap, and a heap shared by many small tensors fragments, so the
 high-water mark counts memory the program no longer holds (3-6 MiB of a GPT rank's 20 at 128 KiB).
 Time is measured with glibc's default, which is how the engine runs.
+
+What the engine holds whatever the model (its objects, gloo's buffers, the allocator's slack) is
+measured the same way on a model too small to hold anything (``TINY``), once per schedule and way of
+running, each in a launch of its own: its resident growth less what the planner gives that model. The
+predicted memory adds it to every rank (``judge(runtime_memory=)``, ``plan --runtime-memory``).
 
 Then the GPT with a real-sized vocabulary (4096 tokens: a head that costs more than a block) runs cut
 by layer count and cut by time, to compare the gain the simulator predicts with the gain measured.
@@ -50,8 +58,9 @@ from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.split import partition
-from pipeclock.observe.planner import Recompute, Training, cut_for, judge
+from pipeclock.observe.planner import cut_for, judge
 from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+from pipeclock.observe.rank_memory import Recompute, Training
 from pipeclock.observe.simulate import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
@@ -91,6 +100,7 @@ class Model:
 
 TINY = Model("ShardedMLP 16 x 16 (the engine alone)", "mlp", batch=256, hidden=16)
 MODELS = {
+    "tiny": TINY,
     "mlp": Model("ShardedMLP 16 x 1024, batch 256", "mlp", batch=256),
     "gpt": Model("GPT 4 blocks x 128 (vocab 256, seq 128), batch 16", "gpt", batch=16, gpt=GPTConfig()),
     "gpt-vocab": Model(
@@ -251,7 +261,8 @@ def worker(args: argparse.Namespace) -> None:
     GPT with a large vocabulary are timed side by side, step for step."""
     rank, world = comms.init(timeout=300.0)
     out = []
-    for key, variant, schedule in _cases(args):
+    cases = list(_cases(args))
+    for key, variant, schedule in cases if args.case is None else [cases[args.case]]:
         model = MODELS[key]
         balances = ("layers", "time") if key == "gpt-vocab" else ("layers",)
         layers = shared_profile(model, variant)
@@ -338,9 +349,20 @@ def _malloc_threshold(threshold: int | None):
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
-def _merged(timed: dict, memory: dict) -> dict:
+def _merged(timed: dict, memory: dict, runtime: dict) -> dict:
+    """One configuration's record: its timed rounds, its memory, and (beside the model's) the memory the
+    engine holds per rank, as measured for its schedule and way of running."""
     record = dict(timed)
-    record["predicted"] = {**timed["predicted"], **{k: memory[k] for k in ("activations", "total", "parts")}}
+    way = f"{timed['dtype']}/{timed['recompute']}"
+    held = runtime.get((way, timed["schedule"]), [0] * len(memory["total"]))
+    predicted = {
+        "activations": memory["activations"],
+        "model_total": memory["total"],
+        "runtime": held,
+        "total": [total + extra for total, extra in zip(memory["total"], held, strict=True)],
+        "parts": [parts | {"runtime": extra} for parts, extra in zip(memory["parts"], held, strict=True)],
+    }
+    record["predicted"] = {**timed["predicted"], **predicted}
     record["measured"] = {
         **timed["measured"],
         "activations": memory["measured_activations"],
@@ -350,12 +372,34 @@ def _merged(timed: dict, memory: dict) -> dict:
     return record
 
 
+def _runtime(scratch: Path, variant: Variant, schedules: set[str]) -> dict[tuple[str, str], list[int]]:
+    """What the engine holds per rank whatever the model, for ``variant`` and each schedule: the tiny
+    model's resident growth less the planner's figure for it, in a launch of its own per schedule."""
+    found = {}
+    for case, schedule in enumerate(SCHEDULES):
+        if schedule in schedules:
+            extra = ["--models", "tiny", "--variants", str(variant), "--phase", "memory", "--case", str(case)]
+            (record,) = _launch(scratch, extra, 300)
+            growth = zip(record["rss_growth"], record["total"], strict=True)
+            found[(str(variant), schedule)] = [measured - predicted for measured, predicted in growth]
+    return found
+
+
+def _launch(scratch: Path, extra: list[str], timeout: float) -> list[dict]:
+    """One launch of the worker on two ranks; the records it wrote."""
+    out = scratch / "records.json"
+    torchrun("benchmarks.planner", 2, ["--worker", "--out", str(out), *extra], timeout=timeout)
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=("memory", "time"), help=argparse.SUPPRESS)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--case", type=int, help=argparse.SUPPRESS)  # the index of the one case to run
+    models = [key for key in MODELS if key != "tiny"]
+    parser.add_argument("--models", nargs="+", default=models, choices=list(MODELS))
     parser.add_argument(
         "--variants", nargs="+", default=list(VARIANTS), metavar="DTYPE/RECOMPUTE",
         help=f"how the stages run, each over every schedule (default {' '.join(VARIANTS)})",
@@ -375,28 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pipeclock-planner-") as scratch:
-        found = {}
-        for phase in ("memory", "time"):
-            out = Path(scratch) / f"{phase}.json"
-            extra = [
-                "--models",
-                *args.models,
-                "--variants",
-                *args.variants,
-                "--rounds",
-                str(rounds),
-                "--steps",
-                str(steps),
-                "--phase",
-                phase,
-            ]
-            launch = ["--worker", "--out", str(out), *extra]
-            with _malloc_threshold(MMAP_THRESHOLD if phase == "memory" else None):
-                torchrun("benchmarks.planner", 2, launch, timeout=1800)
-            found[phase] = json.loads(out.read_text())
-        records = [
-            _merged(timed, memory) for timed, memory in zip(found["time"], found["memory"], strict=True)
-        ]
+        common = ["--models", *args.models, "--variants", *args.variants]
+        common += ["--rounds", str(rounds), "--steps", str(steps)]
+        memory, runtime = [], {}
+        with _malloc_threshold(MMAP_THRESHOLD):
+            for case in range(len(list(_cases(args)))):
+                memory += _launch(Path(scratch), [*common, "--phase", "memory", "--case", str(case)], 600)
+            for variant in {str(v): v for _, v, _ in _cases(args)}.values():
+                runtime |= _runtime(Path(scratch), variant, {s for _, v, s in _cases(args) if v == variant})
+        with _malloc_threshold(None):
+            timed = _launch(Path(scratch), [*common, "--phase", "time"], 1800)
+        records = [_merged(t, m, runtime) for t, m in zip(timed, memory, strict=True)]
     seconds = time.perf_counter() - start
     loads = [r["load"] for record in records for r in record["rounds"]]
     args.results_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,9 @@ def markdown(
         f"timed rounds: {min(loads):.1f} to {max(loads):.1f} (on 2 cores). The predicted step is the "
         "simulator fed with the layers' profile (layers only) and with the engine's own time per action, "
         f"measured in the same round as the step of a model too small to compute ({engine_model}) over the "
-        "schedule's makespan in actions.",
+        "schedule's makespan in actions. The predicted memory holds, beside the model's, what the engine "
+        "holds whatever the model: the same tiny model's resident growth less the planner's figure for it, "
+        "measured once per schedule and way of running, each configuration in a launch of its own.",
     ]
     compared = [r for r in records if r["balance"] == "layers" and r["model"] != "gpt-vocab"]
     if compared:
@@ -53,9 +55,10 @@ def markdown(
         lines += [
             "",
             "| model | schedule | dtype | recompute | activations predicted | measured | error "
-            "| memory predicted | resident growth | error | step, layers only (ms) | engine per action (ms) "
+            "| engine's own (MiB) | memory predicted | resident growth | error | step, layers only (ms) "
+            "| engine per action (ms) "
             "| step predicted (ms) | measured (ms) | error |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "|" + " --- |" * 16,
         ]
     for r in compared:
         p, m = r["predicted"], r["measured"]
@@ -64,7 +67,9 @@ def markdown(
         lines.append(
             f"| {r['model']} | {r['schedule']} | {r['dtype']} | {r['recompute']} "
             f"| {' / '.join(map(_mb, p['activations']))} "
-            f"| {' / '.join(map(_mb, m['activations']))} | {act_err} | {' / '.join(map(_mb, p['total']))} "
+            f"| {' / '.join(map(_mb, m['activations']))} | {act_err} "
+            f"| {' / '.join(map(_mb, p.get('runtime', [0] * len(p['total']))))} "
+            f"| {' / '.join(map(_mb, p['total']))} "
             f"| {' / '.join(map(_mb, m['rss_growth']))} | {mem_err} | {p['layers_only_s'] * 1e3:.1f} "
             f"| {p['action_overhead_s'] * 1e3:.2f} | {p['step_s'] * 1e3:.1f} "
             f"| {m['step_s'] * 1e3:.1f} | {_step_error(r)} |"

@@ -29,7 +29,7 @@ from pipeclock.app.train import TrainConfig, train
 from pipeclock.engine.actions import parse_schedule
 from pipeclock.engine.csv_schedule import save_csv
 from pipeclock.engine.orchestrator import StageError
-from pipeclock.observe.planner import format_bytes
+from pipeclock.observe.sizes import format_bytes
 from tests.distributed import free_port, run_ranks
 from tests.test_pipeline_failures import _bad_configurations
 

@@ -13,21 +13,19 @@ from pipeclock.app.cli import main
 from pipeclock.app.plan_models import rough_layers
 from pipeclock.engine.actions import parse_schedule, placement_of
 from pipeclock.engine.generators import generate, gpipe, one_f_one_b
-from pipeclock.observe.planner import (
+from pipeclock.observe.planner import cut_for, in_flight, judge, step_time
+from pipeclock.observe.profile import mlp_spec, profile
+from pipeclock.observe.rank_memory import (
     Recompute,
     StageBytes,
     Training,
     activation_peak,
-    cut_for,
-    in_flight,
-    judge,
-    parse_bytes,
     rank_memory,
     stage_bytes,
-    step_time,
     unmetered_peak,
+    working_peak,
 )
-from pipeclock.observe.profile import mlp_spec, profile
+from pipeclock.observe.sizes import parse_bytes
 from tests.distributed import run_ok
 
 MB_TENSOR = 16 * 1000 * 4  # one (16, 1000) fp32 activation
@@ -102,6 +100,17 @@ def test_what_the_meter_misses_is_held_from_each_forward_to_its_backward():
     assert unmetered_peak(split, chunk, keeps_graph=False) == 4  # the loss's backward is part of I
 
 
+def test_an_actions_working_memory_comes_on_top_of_what_was_held_when_it_ran():
+    # full recompute: F keeps 2, the backward rebuilds 8 more; W needs 5 (out of the rebuild)
+    chunk = [StageBytes(forward=2, weight_work=5, backward_extra=8, workspace=1)]
+    (whole,) = parse_schedule(["F0 F1 B0 B1"])
+    assert working_peak(whole, chunk) == 2 + 2 + 8 + 1  # B0 rebuilds while both forwards are held
+    (split,) = parse_schedule(["F0 F1 I0 I1 W0 W1"])
+    # I1 rebuilds while I0's 5 for W and its own 2 are held; its own 5 for W come out of the rebuild
+    assert working_peak(split, chunk, keeps_graph=False) == 5 + 2 + 8 + 1
+    assert activation_peak(split, chunk, keeps_graph=False) == 10
+
+
 def test_the_activation_peak_follows_the_ranks_own_order_of_actions():
     chunk = [StageBytes(forward=10, weight_work=4, backward_extra=0)]
     (rank,) = parse_schedule(["F0 F1 B0 F2 B1 B2"])
@@ -155,6 +164,12 @@ def test_judging_a_configuration_cuts_sizes_and_simulates_it():
     assert simulated_1f1b_makespan == 30 and plan.peak == max(m.total for m in plan.memory)
 
 
+def test_what_the_engine_holds_whatever_the_model_is_added_to_every_rank():
+    bare, held = judge(layers(4), "1f1b", 2, 4), judge(layers(4), "1f1b", 2, 4, runtime_memory=10**6)
+    assert [m.total + 10**6 for m in bare.memory] == [m.total for m in held.memory]
+    assert "runtime" not in bare.memory[0].parts and held.memory[1].parts["runtime"] == 10**6
+
+
 def test_a_cut_by_memory_gives_fewer_layers_to_the_stage_that_holds_more_micro_batches():
     # 1F1B on two stages: stage 0 holds two micro-batches, stage 1 one; activations outweigh weights
     model = rough_layers(4 * 10_000, 4, samples=1000)  # width 100: 160 KB of state, 400 KB tensors
@@ -186,6 +201,12 @@ def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys)
     assert "7 stages: the fullest rank holds 3 layers = 30 GB" in out and "does not fit" in out
     assert "answer: 8 stages (8 devices of 24 GB)" in out
     assert "rank  7 |" in out and "rank  8 |" not in out
+    # the engine's own memory on every rank (a GPU's context, say) can tip the answer
+    code, out, _ = plan_command(
+        monkeypatch, capsys, "--params", "10e9", "--stages", "8,16", "--microbatches", "8",
+        "--runtime-memory", "4GB",
+    )  # fmt: skip
+    assert code == 0 and "+ 4 GB runtime" in out and "answer: 16 stages" in out
 
 
 @pytest.mark.parametrize(
@@ -198,6 +219,7 @@ def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys)
         (["--params", "1e6", "--schedules", "2f2b"], "unknown schedule '2f2b'"),
         (["--params", "1e6", "--recompute", "some"], "unknown recompute 'some'"),
         (["--params", "1e6", "--action-overhead", "1"], "--action-overhead needs a measured model"),
+        (["--params", "1e6", "--runtime-memory", "2XB"], "unknown unit 'XB'"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_code_2(monkeypatch, capsys, args, message):

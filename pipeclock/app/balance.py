@@ -12,7 +12,8 @@ import math
 
 from pipeclock import comms
 from pipeclock.engine.actions import placement_of
-from pipeclock.observe.planner import BALANCES, Training, cut_for
+from pipeclock.observe.planner import BALANCES, cut_for
+from pipeclock.observe.rank_memory import Training
 
 
 def check_balance(balance: str) -> None:

@@ -24,7 +24,8 @@ from pipeclock.app.plan_models import rough_layers
 from pipeclock.engine.actions import Schedule
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.split import partition
-from pipeclock.observe.planner import Recompute, Training, format_bytes, rank_memory
+from pipeclock.observe.rank_memory import Recompute, Training, rank_memory
+from pipeclock.observe.sizes import format_bytes
 
 STATIC = "weights, gradients and Adam state"
 IN_FLIGHT = "activations and messages"

@@ -14,8 +14,9 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from pipeclock.observe.planner import Training, format_bytes
 from pipeclock.observe.profile import LayerCost
+from pipeclock.observe.rank_memory import Training
+from pipeclock.observe.sizes import format_bytes
 
 MODEL_BATCH_SIZES = {"mlp": 128, "gpt": 16, "params": 128}
 

@@ -13,6 +13,7 @@ COLORS = {
     "activations": "#dd8452",
     "messages": "#8172b3",
     "workspace": "#937860",
+    "runtime": "#8c8c8c",
 }
 
 

@@ -85,6 +85,9 @@ class LayerCost:
     # of ``weight_held``, what the forward does not already keep (a Linear's input is both): what W adds
     # when the forward's graph stays until W (None: all of it)
     weight_extra: int | None = None
+    # what W keeps when this layer is checkpointed: a module other than a Linear then keeps the input its
+    # rebuild saw, to run again in W, where without recompute W goes back through the forward's graph
+    weight_held_checkpointed: int | None = None
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -100,7 +103,8 @@ class LayerCost:
         """
         k = samples / self.samples
         sizes = ("held", "keeps_input", "keeps_output", "input_bytes", "output_bytes", "message_bytes")
-        scaled = (*sizes, "weight_held", "weight_extra", "workspace", "loss_held", "unmetered")
+        scaled = (*sizes, "weight_held", "weight_extra", "weight_held_checkpointed", "workspace")
+        scaled += ("loss_held", "unmetered")
         changed = {name: round(value * k) for name in scaled if (value := getattr(self, name)) is not None}
         times = {
             name: getattr(self, name) * k for name in ("forward", "backward", "input_grad", "weight_grad")
@@ -188,8 +192,15 @@ def profile(
         last = index == spec.num_layers - 1
         feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision)
         cost, flowing = _measure(layers, feed, repeats, warmup)
-        checkpointed = _checkpointed_saves(layers[0], feed)
-        measured[key] = replace(cost, kind=kind, samples=samples, checkpointed=checkpointed, dtype=dtype)
+        *checkpointed, weight_held = _checkpointed_saves(layers[0], feed)
+        measured[key] = replace(
+            cost,
+            kind=kind,
+            samples=samples,
+            checkpointed=tuple(checkpointed),
+            weight_held_checkpointed=weight_held,
+            dtype=dtype,
+        )
         del layers
     return [replace(measured[_measured_as(spec, i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
 
@@ -375,7 +386,10 @@ def _backward(done: _Forwarded, split: bool) -> _Pass:
     times, held = done.times, []
     start = _now()
     if split:
-        _, work = backward_input(done.roots, done.grads, done.inputs, done.captured, done.capture.keeps_graph)
+        with done.capture.rebuilding(done.captured):  # a checkpointed layer's modules hand their inputs over
+            _, work = backward_input(
+                done.roots, done.grads, done.inputs, done.captured, done.capture.keeps_graph
+            )
         times["I"] = _now() - start
         held = held_tensors(work)
         start = _now()
@@ -392,14 +406,15 @@ def _backward(done: _Forwarded, split: bool) -> _Pass:
     return _Pass(done.output, fed, done.saved, done.loss_saved, targets, done.kept, held, times)
 
 
-def _checkpointed_saves(layer: nn.Module, feed: _Feed) -> tuple[int, int, int]:
-    """What ``layer`` saves in its forward once the engine checkpoints it as one block (``every-1``):
-    (held, keeps_input, keeps_output). Done last: the checkpoint wraps the layer in place."""
-    apply_recompute([layer], "every-1")
+def _checkpointed_saves(layer: nn.Module, feed: _Feed) -> tuple[int, int, int, int]:
+    """What ``layer`` saves in its forward once the engine checkpoints it as one block (``every-1``),
+    and what W then keeps: (held, keeps_input, keeps_output, weight_held). Done last: the checkpoint
+    wraps the layer in place."""
+    recomputed = apply_recompute([layer], "every-1")
     parameters = {p.data_ptr() for p in layer.parameters()}
-    record = _one_pass(layer, feed, ParameterOutputs([layer]), split=False)
+    record = _one_pass(layer, feed, ParameterOutputs([layer], recomputed), split=True)
     sizes = _sizes(record, parameters)
-    return sizes["held"], sizes["keeps_input"], sizes["keeps_output"]
+    return sizes["held"], sizes["keeps_input"], sizes["keeps_output"], sizes["weight_held"]
 
 
 def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:

@@ -17,15 +17,9 @@ import math
 import sys
 
 from pipeclock.app.arguments import check_output, non_negative_float, positive_int
-from pipeclock.observe.planner import (
-    BALANCES,
-    OPTIMIZER_STATE_BYTES,
-    Plan,
-    Recompute,
-    Training,
-    format_bytes,
-    parse_bytes,
-)
+from pipeclock.observe.planner import BALANCES, Plan
+from pipeclock.observe.rank_memory import OPTIMIZER_STATE_BYTES, Recompute, Training
+from pipeclock.observe.sizes import format_bytes, parse_bytes
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 16
@@ -41,6 +35,7 @@ PART_MARKS = {
     "activations": "A",
     "messages": "M",
     "workspace": "W",
+    "runtime": "R",
 }
 
 
@@ -106,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine's own time per action, added to its layers' (a measured model only): about 1 ms "
         "on 2 CPU cores over gloo (python -m benchmarks.planner measures it) (default 0)",
     )  # fmt: skip
+    grid.add_argument(
+        "--runtime-memory", default="0B", metavar="SIZE",
+        help="what the engine holds per rank whatever the model (its objects, buffers, the allocator's): "
+        "about 2MiB on CPU over gloo (python -m benchmarks.planner measures it) (default 0B)",
+    )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the memory per rank into this PNG file")
 
 
@@ -125,6 +125,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.png:
         check_output(args.png, "--png")
     device = _device_memory(args.device_memory)
+    runtime = parse_bytes(args.runtime_memory)
     binary = args.device_memory.strip().lower().endswith("ib")
     recomputes = [Recompute.parse(text) for text in _list(args.recompute, "--recompute")]
     training = Training(args.dtype, args.optimizer)
@@ -143,7 +144,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(describe_model(model, training, device, binary))
     overhead = args.action_overhead / 1e3
     plans = _search(
-        model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead
+        model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime
     )
     fewest = min((plan.stages for plan in plans if plan.fits(device)), default=None)
     print()
@@ -159,7 +160,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"\nthe fastest on any number of stages up to {max(stages)}:")
         print(_table(fitting[: args.top], unit, binary, model.time_scale))
     best = at_fewest[0]
-    print(f"\nmemory per rank, {_label(best)} ({', '.join(f'{m} {k}' for k, m in PART_MARKS.items())}):")
+    marks = ", ".join(f"{m} {k}" for k, m in PART_MARKS.items() if k in best.memory[0].parts)
+    print(f"\nmemory per rank, {_label(best)} ({marks}):")
     print(_bars(best, device, binary))
     if args.png:
         from pipeclock.observe.plan_png import draw_memory
@@ -168,7 +170,9 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search(model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0):
+def _search(
+    model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0
+):
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
     from pipeclock.observe.planner import judge
 
@@ -180,11 +184,14 @@ def _search(model, schedules, stages, microbatches, recomputes, training, balanc
                 for recompute in recomputes:
                     config = Training(training.dtype, training.optimizer, recompute)
                     try:
-                        plan = judge(layers, name, p, m, config, balance, simulated=False)
+                        plan = judge(
+                            layers, name, p, m, config, balance, simulated=False, runtime_memory=runtime
+                        )
                     except ValueError:
                         continue  # this schedule cannot take (p, m) or this many stages
                     if plan.fits(device):
-                        plan = judge(layers, name, p, m, config, balance, action_overhead=overhead)
+                        simulated = {"action_overhead": overhead, "runtime_memory": runtime}
+                        plan = judge(layers, name, p, m, config, balance, **simulated)
                     plans.append(plan)
     return plans
 
@@ -217,13 +224,15 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         plan = _representative([plan for plan in plans if plan.stages == p], device)
         fullest = max(plan.memory, key=lambda rank: rank.total)
         static = fullest.parameters + fullest.gradients + fullest.optimizer
-        moving = fullest.total - static  # activations and the rest, or the optimizer's temporaries
+        moving = fullest.total - static - fullest.runtime  # activations and the rest, or the optimizer's
+        runtime = f" + {size(fullest.runtime)} runtime" if fullest.runtime else ""
         verdict = "fits" if plan.fits(device) else "does not fit"
         sign = "<=" if plan.fits(device) else ">"
         held = _layers_on(plan, plan.memory.index(fullest))
         lines.append(
             f"  {_plural(p, 'stage')}: the fullest rank holds {_plural(held, 'layer')} "
-            f"= {size(static)} + {size(moving)} activations, messages and temporaries ({_label(plan)}) "
+            f"= {size(static)} + {size(moving)} activations, messages and temporaries{runtime} "
+            f"({_label(plan)}) "
             f"= {_versus(plan.peak, device, binary)} {sign} {size(device)}: {verdict}"
         )
     if fewest is None:
