@@ -91,6 +91,18 @@ def test_every_k_checkpoints_every_kth_layer_which_keeps_what_it_keeps_when_chec
     assert [Recompute.parse("every-2").checkpointed(i) for i in range(4)] == [False, True, False, True]
 
 
+def test_a_checkpointed_layer_keeps_for_w_what_its_rebuild_hands_over_and_never_less_than_without():
+    model = layers(3)
+    # a block whose W runs a LayerNorm again on the input its rebuild saw: more than without recompute
+    blocks = [replace(x, weight_held=2 * MB_TENSOR, weight_held_checkpointed=3 * MB_TENSOR) for x in model]
+    full = Training(recompute=Recompute.parse("full"))
+    assert stage_bytes(blocks, full).weight_work == 9 * MB_TENSOR
+    assert stage_bytes(blocks).weight_work == 6 * MB_TENSOR
+    # the model's first layer, profiled alone, is rebuilt only in W; in a whole stage it is rebuilt in I
+    first = [replace(model[0], weight_held=2 * MB_TENSOR, weight_held_checkpointed=MB_TENSOR), *blocks[1:]]
+    assert stage_bytes(first, full).weight_work == 2 * MB_TENSOR + 6 * MB_TENSOR
+
+
 def test_what_the_meter_misses_is_held_from_each_forward_to_its_backward():
     chunk = [StageBytes(forward=10, weight_work=0, backward_extra=0, loss=3, unmetered=1)]
     (rank,) = parse_schedule(["F0 F1 F2 B0 B1 B2"])

@@ -149,9 +149,14 @@ def stage_bytes(layers: Sequence[LayerCost], training: Training = Training()) ->
 
 
 def _weight_held(layer: LayerCost, checkpointed: bool) -> int:
-    """What W keeps for the layer between I and W, checkpointed or not (as measured)."""
+    """What W keeps for the layer between I and W, checkpointed or not (as measured).
+
+    Checkpointed, a layer keeps at least what it keeps without: the profile checkpoints a layer alone,
+    and the model's first layer is then rebuilt only in W (nothing before it wants a gradient), while in
+    a stage checkpointed whole it is rebuilt in I with the others and keeps its input for W as usual.
+    """
     if checkpointed and layer.weight_held_checkpointed is not None:
-        return layer.weight_held_checkpointed
+        return max(layer.weight_held_checkpointed, layer.weight_held)
     return layer.weight_held
 
 
