@@ -58,8 +58,9 @@ from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.split import partition
+from pipeclock.observe.model_specs import gpt_spec, mlp_spec
 from pipeclock.observe.planner import cut_for, judge
-from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+from pipeclock.observe.profile import profile
 from pipeclock.observe.rank_memory import Recompute, Training
 from pipeclock.observe.simulate import simulate
 

@@ -32,8 +32,9 @@ from pathlib import Path
 from pipeclock import comms
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.models.gpt import GPTConfig
+from pipeclock.observe.model_specs import gpt_spec
 from pipeclock.observe.planner import judge
-from pipeclock.observe.profile import gpt_spec, profile
+from pipeclock.observe.profile import profile
 from pipeclock.observe.rank_memory import Recompute, Training
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 11` asks torchrun for

@@ -10,7 +10,8 @@ import torch
 
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
-from pipeclock.observe.profile import ALIKE, gpt_spec, mlp_spec, profile
+from pipeclock.observe.model_specs import gpt_spec, mlp_spec
+from pipeclock.observe.profile import ALIKE, profile
 
 
 def largest_stage(costs, cut) -> float:

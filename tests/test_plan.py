@@ -13,8 +13,9 @@ from pipeclock.app.cli import main
 from pipeclock.app.plan_models import rough_layers
 from pipeclock.engine.actions import parse_schedule, placement_of
 from pipeclock.engine.generators import generate, gpipe, one_f_one_b
+from pipeclock.observe.model_specs import mlp_spec
 from pipeclock.observe.planner import cut_for, in_flight, judge, step_time
-from pipeclock.observe.profile import mlp_spec, profile
+from pipeclock.observe.profile import profile
 from pipeclock.observe.rank_memory import (
     Recompute,
     StageBytes,
@@ -306,7 +307,7 @@ def _gpt_peaks(rank, world, m, batch):
 @pytest.mark.slow
 def test_recompute_and_bf16_lower_the_measured_peak_on_a_gpt_as_the_planner_predicts():
     from pipeclock.models.gpt import GPTConfig
-    from pipeclock.observe.profile import gpt_spec
+    from pipeclock.observe.model_specs import gpt_spec
 
     torch.set_num_threads(1)
     m, batch = 4, 8

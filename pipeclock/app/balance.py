@@ -46,7 +46,8 @@ def _by_count(config, num_virtual: int) -> str:
 
 def _measured_cut(config, num_virtual: int, table) -> list[range]:
     from pipeclock.models.gpt import GPTConfig
-    from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+    from pipeclock.observe.model_specs import gpt_spec, mlp_spec
+    from pipeclock.observe.profile import profile
 
     if config.model == "gpt":
         gpt = GPTConfig(

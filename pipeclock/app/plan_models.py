@@ -92,7 +92,8 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
     import torch
 
     from pipeclock.models.gpt import GPTConfig
-    from pipeclock.observe.profile import gpt_spec, mlp_spec, profile
+    from pipeclock.observe.model_specs import gpt_spec, mlp_spec
+    from pipeclock.observe.profile import profile
 
     torch.set_num_threads(max(1, args.threads))
     batch = args.batch_size or MODEL_BATCH_SIZES[args.model]

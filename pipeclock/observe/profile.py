@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeclock.engine import pytree
@@ -36,12 +34,10 @@ from pipeclock.engine.backward import (
     backward_whole,
     held_tensors,
 )
-from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.memory import is_parameter_cast
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import apply_recompute
-from pipeclock.models.gpt import GPTConfig, build_piece, piece_name
-from pipeclock.models.mlp import ShardedMLP
+from pipeclock.observe.model_specs import ModelSpec
 
 ALIKE = 4  # layers of one kind timed in turn (at most): enough to leave the caches as a stage does
 
@@ -111,61 +107,6 @@ class LayerCost:
         }
         checkpointed = self.checkpointed and tuple(round(x * k) for x in self.checkpointed)
         return replace(self, samples=samples, checkpointed=checkpointed, **changed, **times)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to build and feed a model one layer at a time.
-
-    ``build(i)`` makes layer i alone (from (seed, i), as a stage would); ``kind(i)`` names its build
-    (layers of one kind are measured once); ``batch(n)`` gives a micro-batch's inputs and targets.
-    """
-
-    name: str
-    num_layers: int
-    build: Callable[[int], nn.Module]
-    kind: Callable[[int], str]
-    layer_name: Callable[[int], str]
-    batch: Callable[[int], tuple]
-    loss_fn: Callable
-
-
-def mlp_spec(hidden: int, layers: int, seed: int = 0) -> ModelSpec:
-    """``ShardedMLP``: layer i is a one-layer stage (Linear and ReLU; the last has no ReLU)."""
-
-    def batch(n: int) -> tuple:
-        generator = torch.Generator().manual_seed(seed)
-        return torch.randn(n, hidden, generator=generator), torch.randn(n, hidden, generator=generator)
-
-    return ModelSpec(
-        name=f"ShardedMLP {layers} x {hidden}",
-        num_layers=layers,
-        build=lambda i: ShardedMLP(hidden, layers, stage=i, num_stages=layers, seed=seed),
-        kind=lambda i: "last" if i == layers - 1 else "layer",
-        layer_name=str,
-        batch=batch,
-        loss_fn=F.mse_loss,
-    )
-
-
-def gpt_spec(config: GPTConfig) -> ModelSpec:
-    """The GPT's pieces: the embedding, the blocks, the head (which also computes the loss)."""
-    last = config.num_pieces - 1
-
-    def batch(n: int) -> tuple:
-        generator = torch.Generator().manual_seed(config.seed)
-        ids = torch.randint(0, config.vocab_size, (n, config.seq_len + 1), generator=generator)
-        return ids[:, :-1], ids[:, 1:]
-
-    return ModelSpec(
-        name=f"GPT {config.layers} blocks x {config.dim}",
-        num_layers=config.num_pieces,
-        build=lambda i: nn.Sequential(OrderedDict([(piece_name(i, config), build_piece(i, config))])),
-        kind=lambda i: "embed" if i == 0 else ("head" if i == last else "block"),
-        layer_name=lambda i: piece_name(i, config),
-        batch=batch,
-        loss_fn=TokenCrossEntropy(),
-    )
 
 
 def profile(
