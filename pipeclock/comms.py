@@ -49,7 +49,7 @@ _channel_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 # Looked up once per process, not once per message: the hot path sends thousands of messages a second.
 _rank: int | None = None
 _device: torch.device | None = None
-_routes: dict[tuple[int, int], tuple[dist.ProcessGroup, int]] = {}
+_routes: dict[tuple[str, int], tuple[dist.ProcessGroup, int]] = {}  # ("to" | "from", peer) -> (group, rank)
 
 
 class CommError(RuntimeError):
@@ -316,7 +316,7 @@ class PendingRecv:
 def isend(tensor: torch.Tensor, dest: int, tag: int = 0, what: str | None = None) -> PendingSend:
     """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
     tensor = tensor.detach().contiguous()
-    group, peer = _route(get_rank(), dest, dest)
+    group, peer = _route("to", dest)
     return PendingSend(group.send([tensor], peer, tag), tensor, dest, what)
 
 
@@ -329,19 +329,21 @@ def irecv(
 ) -> PendingRecv:
     """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
     tensor = torch.empty(shape, dtype=dtype, device=device())
-    group, peer = _route(src, get_rank(), src)
+    group, peer = _route("from", src)
     return PendingRecv(group.recv([tensor], peer, tag), tensor, src, what)
 
 
-def _route(src: int, dst: int, peer: int) -> tuple[dist.ProcessGroup, int]:
-    """The process group that carries messages from ``src`` to ``dst``, and ``peer``'s rank in it.
+def _route(direction: str, peer: int) -> tuple[dist.ProcessGroup, int]:
+    """The process group that carries messages ``"to"`` or ``"from"`` ``peer``, and ``peer``'s rank in it.
 
     This is what ``dist.isend``/``dist.irecv`` work out on every call; here it is worked out once per
     channel, and the group's ``send``/``recv`` are called directly.
     """
-    key = (src, dst)
+    key = (direction, peer)
     if key not in _routes:
-        group = _channel_groups.get(key) or dist.group.WORLD
+        me = get_rank()
+        channel = (me, peer) if direction == "to" else (peer, me)
+        group = _channel_groups.get(channel) or dist.group.WORLD
         _routes[key] = (group, dist.get_group_rank(group, peer))
     return _routes[key]
 

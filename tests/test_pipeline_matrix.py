@@ -1,8 +1,9 @@
 """The central property: a pipelined step leaves the one-process model's loss and gradients.
 
-For every schedule, stage count p, micro-batch count m, even and uneven batches, on ShardedMLP and on an
-``nn.Sequential`` whose widths and layer kinds change, each rank's ``.grad`` equals (relative difference
-<= 1e-5) the gradient the whole model computes on one process for the whole batch. Real gloo processes,
+For every schedule, stage count p, micro-batch count m, even and uneven batches, on ShardedMLP (narrow,
+and wide enough that a backward W follows at once is split into B then W), and on an ``nn.Sequential``
+whose widths and layer kinds change, each rank's ``.grad`` equals (relative difference <= 1e-5) the
+gradient the whole model computes on one process for the whole batch. Real gloo processes,
 one launch per stage count, with every case of that stage count run inside it.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from pipeclock import schedule
 from pipeclock.app.train import TrainConfig, train
+from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.model import ShardedMLP, split_sequential
 from tests.distributed import run_ok
 
@@ -30,6 +32,7 @@ SCHEDULE_CHUNKS = {
 }
 SPLIT = ("zb-h1", "zb-v", "dualpipev")  # schedules with I and W actions
 V_PLACED = ("zb-v", "dualpipev")
+WIDE = 192  # 192 x 192 weights: past backward.IN_PLACE_PAYS_FROM, so GPipe's and 1F1B's B run B then W
 
 
 def varied_sequential(seed: int = 0) -> nn.Sequential:
@@ -50,15 +53,25 @@ def inplace_sequential(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(6, 6))
 
 
+def test_only_a_wide_enough_linear_stage_splits_a_backward_that_w_follows_at_once():
+    narrow, wide = ShardedMLP(8, 4), ShardedMLP(WIDE, 4)
+    assert ParameterOutputs([wide], defers_weights=False).split_pays
+    assert not ParameterOutputs([narrow], defers_weights=False).hooked
+    assert not any(module._forward_hooks for module in narrow.modules()), "an unused hook costs a call"
+    assert ParameterOutputs([ShardedMLP(8, 4)], defers_weights=True).hooked, "a deferred W needs them"
+    assert not ParameterOutputs([varied_sequential()], defers_weights=False).split_pays  # LayerNorm
+
+
 def microbatch_counts(p: int) -> list[int]:
     return sorted({1, 2, 3, p, 2 * p + 1})
 
 
 def build(model_kind: str, rank: int, p: int, chunks: int, placement: str = "loop"):
     """(this rank's modules, the one-process reference, input width, output width)."""
-    if model_kind == "mlp":
-        parts = ShardedMLP.for_rank(8, 16, rank, p, chunks, seed=5, placement=placement)
-        return parts, ShardedMLP(8, 16, seed=5), 8, 8
+    if model_kind in ("mlp", "wide"):
+        width = WIDE if model_kind == "wide" else 8
+        parts = ShardedMLP.for_rank(width, 16, rank, p, chunks, seed=5, placement=placement)
+        return parts, ShardedMLP(width, 16, seed=5), width, width
     make = {"sequential": varied_sequential, "inplace": inplace_sequential}[model_kind]
     parts = split_sequential(make(), rank, p, chunks, placement=placement)
     width_out = 3 if model_kind == "sequential" else 6
@@ -95,8 +108,8 @@ def all_cases_on(rank: int, p: int) -> dict[tuple, float]:
         for chunks in chunk_options:
             for m in microbatch_counts(p):
                 for batch in (4 * m, 4 * m + 3):  # even, then uneven micro-batches
-                    for model_kind in ("mlp", "sequential", "inplace"):
-                        if model_kind != "mlp" and p * chunks > 9:
+                    for model_kind in ("mlp", "wide", "sequential", "inplace"):
+                        if model_kind not in ("mlp", "wide") and p * chunks > 9:
                             continue
                         if model_kind == "inplace" and name in SPLIT:
                             continue  # a split backward refuses it; see test_pipeline_failures

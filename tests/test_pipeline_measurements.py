@@ -41,13 +41,15 @@ def test_split_microbatches_sizes_differ_by_at_most_one_and_weights_sum_to_one()
 
 
 def _peaks_and_spans(rank: int, world: int) -> dict:
-    out = {"messages held": {}}
+    out = {"messages held": {}, "next step's peak": {}}
     for name in ("naive", "gpipe", "1f1b", "zb-h1"):
         pipe = schedule.Pipeline(ShardedMLP(16, 8, rank, world), name, 4)
         with _counting_messages_held(pipe) as held:
             pipe.step(torch.randn(16, 16), torch.randn(16, 16))
         out[name] = (pipe.last.peak_activation_bytes, pipe.last.spans, [str(a) for a in pipe.actions])
         out["messages held"][name] = (max(held), pipe.messenger.messages_held)
+        pipe.step(torch.randn(16, 16), torch.randn(16, 16))  # every shape's figures known by now
+        out["next step's peak"][name] = pipe.last.peak_activation_bytes
     report = gather_run([pipe.last], ProcessMeter())
     out["gathered"] = None if report is None else (len(report.ranks), report.timelines[0].num_microbatches)
     return out
@@ -104,6 +106,8 @@ def test_measured_activation_memory_is_what_the_schedule_holds(two_rank_steps):
         for name in ("gpipe", "1f1b"):  # whole backward: the simulator's count of live micro-batches
             live = simulate(schedule.generate(name, 2, 4)).peak_live(rank)
             assert results[name][0] == live * forward_bytes
+        for name in ("naive", "gpipe", "1f1b", "zb-h1"):  # measured once per shape, then reused
+            assert results["next step's peak"][name] == results[name][0], (name, rank)
 
 
 def test_every_action_has_one_span_in_order_and_spans_do_not_overlap(two_rank_steps):
@@ -139,6 +143,41 @@ def test_the_gradients_a_rank_sent_are_known_taken_by_the_next_activation_that_f
         (ACTIVATION, 1, 3): [gradient(1)],
     }
     assert sends_done_by(table, placement, rank=0) == {}  # the first stage receives no activation
+
+
+def test_a_shape_is_measured_once_and_its_figures_reused():
+    linear = torch.nn.Linear(8, 8)
+    meter = ActivationMeter([linear])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring("mb 0", stashed=[], shape="4 x 8"):
+        linear(x)  # autograd saves x
+    with meter.measuring("mb 1", stashed=[], shape="4 x 8"):
+        pass  # not measured again: the shape's figure stands
+    with meter.measuring("mb 2", stashed=[], shape="2 x 8"):
+        pass  # a new shape is measured: here nothing is saved
+    for key in ("mb 0", "mb 1", "mb 2"):
+        meter.hold(key)
+    assert meter.live == 2 * x.nbytes
+
+
+def test_when_w_keeps_the_graph_a_shape_is_measured_until_its_first_i():
+    linear = torch.nn.Linear(8, 8)
+    meter = ActivationMeter([linear], w_keeps_graph=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring("mb 0", stashed=[], shape="4 x 8"):
+        y = linear(x)
+    meter.hold("mb 0")
+    with meter.measuring("mb 1", stashed=[], shape="4 x 8"):
+        pass  # measured: what this shape holds from I to W is not known yet
+    meter.hold("mb 1")
+    assert meter.live == x.nbytes
+    output_grad = torch.ones_like(y)
+    meter.update("mb 0", [x.detach(), output_grad], add=True)  # the graph stays; W adds its gradient
+    with meter.measuring("mb 2", stashed=[], shape="4 x 8"):
+        pass  # now the shape's figures are complete: reused
+    meter.hold("mb 2")
+    meter.update("mb 2", [], add=True)  # its figure after I is the one mb 0 measured
+    assert meter.live == 2 * (x.nbytes + output_grad.nbytes)
 
 
 def test_a_tensor_the_forward_saved_and_w_keeps_is_counted_once():

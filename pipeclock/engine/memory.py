@@ -10,11 +10,17 @@ With recompute (``pipeclock.engine.recompute``) a checkpoint saves only its bloc
 sees exactly those: that is what the micro-batch holds until its backward. The block's rebuild inside
 the backward is that action's working memory, freed as the backward goes, and is not counted, like the
 backward's other temporaries. Between a split backward's I and W, what W needs is counted instead.
+
+A chunk saves the same tensors for every input of the same shapes, so each shape is measured once, on
+the first micro-batch that brings it, and its figures are reused after (the caller names the shape:
+``measuring(..., shape=)``). The hook costs Python on every saved tensor: at small widths it was a fifth
+of an action's engine time. A chunk whose saved tensors depend on its input's values, not only on their
+shapes (a mixture of experts routing tokens), is metered by its first micro-batch of each shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -24,8 +30,14 @@ from torch import nn
 class ActivationMeter:
     """Measures and tracks the activation bytes of the micro-batches in flight on one rank."""
 
-    def __init__(self, modules: Iterable[nn.Module]):
+    def __init__(self, modules: Iterable[nn.Module], w_keeps_graph: bool = False):
+        """``w_keeps_graph``: a deferred W goes back through the forward's graph, so B keeps it
+        (``update(..., add=True)``); a shape's figures are then complete once its first I is seen."""
         self._modules = list(modules)
+        self._w_keeps_graph = w_keeps_graph
+        self._known: dict[Hashable, int] = {}  # a shape's forward bytes
+        self._known_after_input_grad: dict[Hashable, int] = {}  # and what it holds from I to W
+        self._shape_of: dict[object, Hashable] = {}  # each micro-batch's shape
         self._owners: list[nn.Module] | None = None  # the modules holding parameters, found once a step
         self._parameter_pointers: set[int] = set()
         self._bytes: dict[object, int] = {}
@@ -37,6 +49,7 @@ class ActivationMeter:
         """Start a new step: nothing held, no peak yet."""
         self._bytes.clear()
         self._forward.clear()
+        self._shape_of.clear()
         self.live = self.peak = 0
         self._owners = None
 
@@ -48,9 +61,25 @@ class ActivationMeter:
             self._owners = [m for top in self._modules for m in top.modules() if m._parameters]
         return [p for m in self._owners for p in m._parameters.values() if p is not None]
 
+    def _knows(self, shape: Hashable | None) -> bool:
+        if shape is None or shape not in self._known:
+            return False
+        return not self._w_keeps_graph or shape in self._known_after_input_grad
+
     @contextmanager
-    def measuring(self, key: object, stashed: list[torch.Tensor]) -> Iterator[None]:
-        """Count what autograd saves inside the block, plus the tensors in ``stashed`` (read at exit)."""
+    def measuring(
+        self, key: object, stashed: list[torch.Tensor], shape: Hashable | None = None
+    ) -> Iterator[None]:
+        """Count what autograd saves inside the block, plus the tensors in ``stashed`` (read at exit).
+
+        ``shape``: what the saved bytes depend on (the chunk, its mode, its input's shapes and dtypes);
+        a shape already measured is not measured again. None: measure.
+        """
+        self._shape_of[key] = shape
+        if self._knows(shape):
+            self._bytes[key] = self._known[shape]
+            yield
+            return
         saved: list[tuple[int, int]] = []
         # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
         # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
@@ -71,6 +100,8 @@ class ActivationMeter:
         located = [(t.data_ptr(), t.nbytes) for t in stashed]
         self._forward[key] = self._distinct(saved + located)
         self._bytes[key] = sum(nbytes for _, nbytes in self._forward[key])
+        if shape is not None:
+            self._known[shape] = self._bytes[key]
 
     def _distinct(self, located: list[tuple[int, int]]) -> set[tuple[int, int]]:
         """The distinct non-parameter tensors among ``located`` (data pointer, bytes) pairs."""
@@ -85,10 +116,16 @@ class ActivationMeter:
         """The micro-batch ``key`` now holds ``tensors`` instead of (or, with ``add``, besides) its
         forward's tensors: a split backward's B frees the graph but keeps what W needs. Besides: a tensor
         both saved by the forward and kept for W (a Linear's input) is counted once."""
-        kept = self._distinct([(t.data_ptr(), t.nbytes) for t in tensors])
-        if add:
-            kept |= self._forward[key]
-        held = sum(nbytes for _, nbytes in kept)
+        shape = self._shape_of.get(key)
+        if add and key not in self._forward:  # a shape measured before: its figure is known
+            held = self._known_after_input_grad[shape]
+        else:
+            kept = self._distinct([(t.data_ptr(), t.nbytes) for t in tensors])
+            if add:
+                kept |= self._forward[key]
+                if shape is not None:
+                    self._known_after_input_grad[shape] = sum(nbytes for _, nbytes in kept)
+            held = sum(nbytes for _, nbytes in kept)
         self.live += held - self._bytes[key]
         self._bytes[key] = held
         self.peak = max(self.peak, self.live)
@@ -97,6 +134,7 @@ class ActivationMeter:
         """The micro-batch ``key`` has finished its backward: its bytes are freed."""
         self.live -= self._bytes.pop(key)
         self._forward.pop(key, None)
+        self._shape_of.pop(key, None)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,7 @@ from torch import nn
 from pipeclock import comms
 from pipeclock.engine import faults, pytree
 from pipeclock.engine.actions import Action, Schedule, placement_of, validate
-from pipeclock.engine.backward import (
-    ParameterOutputs,
-)
+from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.losses import LossFn
 from pipeclock.engine.memory import ActivationMeter
@@ -130,9 +128,11 @@ class Pipeline:
         self.precision = parse_precision(dtype)
         wire = self.precision.wire_dtype
         self.messenger = Messenger(self.rank, self.placement, self.peers, wire, self.table)
-        self.meter = ActivationMeter(self.chunks) if measure_memory else None
         recomputed = apply_recompute(self.chunks, recompute)
-        self.parameter_outputs = ParameterOutputs(self.chunks, recomputed)
+        defers = self.replicas.split_backward and any(a.op == "I" for a in self.actions)
+        self.parameter_outputs = ParameterOutputs(self.chunks, recomputed, defers_weights=defers)
+        w_keeps_graph = defers and self.parameter_outputs.keeps_graph
+        self.meter = ActivationMeter(self.chunks, w_keeps_graph) if measure_memory else None
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks, group)

@@ -25,7 +25,6 @@ from pipeclock.engine.backward import (
     held_tensors,
     modified_in_place,
     nothing_to_accumulate,
-    rebuilds_beyond_linears,
 )
 from pipeclock.engine.losses import loss_scales
 from pipeclock.observe.timeline import Span
@@ -168,16 +167,17 @@ class StepRun:
     def _run_chunk(self, chunk: int, stage_input, key: tuple[int, int]):
         """The chunk's forward; in training, its parameter outputs captured and its activations metered."""
         pipe = self.pipe
+        shape = _shape(pipe.chunks[chunk], chunk, stage_input, self.training) if self.meter else None
         if not self.training:  # whatever autograd would save is metered: nothing, under no_grad
             self._captured = []
-            with self.meter.measuring(key, []) if self.meter else nullcontext():
+            with self.meter.measuring(key, [], shape) if self.meter else nullcontext():
                 output = pipe.chunks[chunk](stage_input)
             if self.meter:
                 self.meter.hold(key)
                 self.meter.release(key)
             return output
         stashed: list[torch.Tensor] = pytree.leaves(stage_input)
-        with self.meter.measuring(key, stashed) if self.meter else nullcontext():
+        with self.meter.measuring(key, stashed, shape) if self.meter else nullcontext():
             with pipe.parameter_outputs.capture() as self._captured:
                 fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
                 output = pipe.chunks[chunk](fed)
@@ -198,11 +198,7 @@ class StepRun:
         deferred = action.op == "I" and replicas.split_backward  # the weights' half waits for a W
         if not replicas.split_backward and pipe.last_backward[action.chunk] == self.index:
             replicas.before_last_backward(action.chunk, roots)
-        whole = not replicas.split_backward
-        # A whole backward is one autograd call when the graph must be kept for some module anyway (not
-        # only Linears): splitting it into B then W would only add calls (measured: 5-9 % of a GPT step).
-        whole_graph = pipe.parameter_outputs.keeps_graph or rebuilds_beyond_linears(stash.captured)
-        if whole or (not deferred and (whole_graph or self._whole_is_cheaper(stash.captured))):
+        if self._runs_whole(deferred, stash.captured):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
             self._done(*key)
         else:
@@ -221,11 +217,24 @@ class StepRun:
         if stage > 0:
             pipe.messenger.send_gradient(stage, mb, input_grads)
 
-    @staticmethod
-    def _whole_is_cheaper(captured: list) -> bool:
-        """An outputs' gradient changed in place cannot be split off; with no gradient to add to yet, the
-        split would only add Python (``backward.nothing_to_accumulate``)."""
-        return modified_in_place(captured) is not None or nothing_to_accumulate(captured)
+    def _runs_whole(self, deferred: bool, captured: list) -> bool:
+        """Whether this backward is one autograd call rather than B then W.
+
+        Always under a data-parallel wrapper that needs autograd's own hooks (``split_backward`` false);
+        never when W is deferred. A backward that W follows at once is split only where that pays
+        (``backward.in_place_pays``: only Linears, wide enough) and can: not when an output was changed
+        in place (its gradient cannot be split off), nor when there is no gradient to add to yet
+        (``backward.nothing_to_accumulate``: the split would only add Python).
+        """
+        if not self.pipe.replicas.split_backward:
+            return True
+        if deferred:
+            return False
+        return (
+            not self.pipe.parameter_outputs.split_pays
+            or modified_in_place(captured) is not None
+            or nothing_to_accumulate(captured)
+        )
 
     def weight(self, action: Action) -> None:
         faults.point("W", self.pipe.steps_done)
@@ -236,6 +245,12 @@ class StepRun:
         del self.stash[(mb, chunk)]
         if self.meter:
             self.meter.release((mb, chunk))
+
+
+def _shape(module, chunk: int, stage_input, training: bool) -> tuple:
+    """What a chunk's saved activations depend on: which chunk, in which mode, fed which shapes."""
+    fed = tuple((leaf.shape, leaf.dtype, leaf.requires_grad) for leaf in pytree.leaves(stage_input))
+    return chunk, training, module.training, fed
 
 
 def _copy_floats(tree):

@@ -210,7 +210,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
         samples=0,
         parameters=sum(p.numel() for p in layer.parameters()),
         forward=min(samples["F"]),
-        backward=whole if keeps_graph else split_total,  # what the engine does for an unsplit B
+        backward=split_total if capture.split_pays else whole,  # what the engine does for an unsplit B
         input_grad=min(samples["I"]),
         weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
