@@ -70,8 +70,11 @@ class Launch:
         restarts: int = 0,
         module: str = "pipeclock",
         rendezvous: list[str] | None = None,
+        rank_logs: Path | None = None,
     ):
-        """``rendezvous``: torchrun's flags for joining the job (default: ``--standalone``, one machine)."""
+        """``rendezvous``: torchrun's flags for joining the job (default: ``--standalone``, one machine).
+        ``rank_logs``: each rank's stderr goes to its own file there, per attempt (torchrun's
+        ``--log-dir``, ``--redirects 2``), so that lines printed at once by two ranks cannot interleave."""
         env = dict(os.environ)
         if restarts:
             # torch 2.13's torchrun keeps one store across restarts, so a restarted group can read the dead
@@ -80,7 +83,9 @@ class Launch:
         self.command = [
             sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]),
             "--nproc-per-node", str(stages),
-            "--max-restarts", str(restarts), "-m", module, *flags,
+            "--max-restarts", str(restarts),
+            *(["--log-dir", str(rank_logs), "--redirects", "2"] if rank_logs else []),
+            "-m", module, *flags,
         ]  # fmt: skip
         self.out, self.err = log.with_suffix(".out"), log.with_suffix(".err")
         with open(self.out, "w") as out, open(self.err, "w") as err:

@@ -8,9 +8,11 @@ has said nothing after ``--timeout`` seconds says so instead); that torchrun res
 that the restarted attempt resumed from the newest checkpoint there was (nothing lost beyond it). The
 job's losses must then equal, bit for bit, those of the same run left alone.
 
-The test writes what it saw as tables; docs/faults.md shows them, and the test fails when the page says
-anything else (``PIPECLOCK_WRITE_FAULTS=1`` writes the page instead). The 2-rank job runs in the default
-suite; the other two layouts cost about two minutes each on 2 cores and run with ``PIPECLOCK_FAULTS_ALL=1``.
+Each rank's stderr goes to a file of its own per attempt, so two survivors' lines printed at the same
+moment cannot interleave. The test writes what it saw as tables; docs/faults.md shows them, and the test
+fails when the page says anything else (``PIPECLOCK_WRITE_FAULTS=1`` writes the page instead). The
+2-rank job runs in the default suite; the other two layouts cost about two minutes each on 2 cores and
+run with ``PIPECLOCK_FAULTS_ALL=1``.
 """
 
 from __future__ import annotations
@@ -96,17 +98,29 @@ class Death:
     others: list[str]  # any other pipeclock line printed meanwhile (a "stopped" line, a traceback)
 
 
-def deaths(stderr: str) -> list[Death]:
-    """Each fault line of the log and what the ranks printed after it, up to the next one."""
+def deaths(rank_logs: Path) -> list[Death]:
+    """Each attempt that died: its fault line, and what every rank printed in that attempt.
+
+    ``rank_logs`` is torchrun's ``--log-dir``: ``<run>/attempt_<k>/<rank>/stderr.log``.
+    """
     found: list[Death] = []
-    for line in stderr.splitlines():
-        if match := FAULT_LINE.match(line):
-            rank, place, step, attempt = match.groups()
-            found.append(Death(faults.Fault(place, int(rank), int(step)), int(attempt), [], []))
-        elif found and (match := ERROR_LINE.match(line)):
-            found[-1].errors.append(match.group(1))
-        elif found and (line.startswith("pipeclock") or "Traceback" in line):
-            found[-1].others.append(line)
+    for attempt in sorted(rank_logs.glob("*/attempt_*"), key=lambda path: int(path.name.split("_")[1])):
+        lines = [
+            line for log in sorted(attempt.glob("*/stderr.log")) for line in log.read_text().splitlines()
+        ]
+        matches = [match for line in lines if (match := FAULT_LINE.match(line))]
+        if not matches:
+            continue  # the attempt that ran clean
+        rank, place, step, attempt_number = matches[0].groups()
+        death = Death(faults.Fault(place, int(rank), int(step)), int(attempt_number), [], [])
+        for line in lines:
+            if FAULT_LINE.match(line):
+                continue
+            if match := ERROR_LINE.match(line):
+                death.errors.append(match.group(1))
+            elif line.startswith("pipeclock") or "Traceback" in line:
+                death.others.append(line)
+        found.append(death)
     return found
 
 
@@ -141,8 +155,12 @@ class Matrix:
     planned: list[faults.Fault]
     expected_resumes: list[int]
     stdout: str
-    stderr: str
+    stderr: str  # torchrun's own
+    rank_logs: Path  # each rank's stderr, per attempt
     reference_stdout: str
+
+    def deaths(self) -> list[Death]:
+        return deaths(self.rank_logs)
 
     def losses(self) -> tuple[int, list[float]]:
         return _losses(self.directory / "losses.json")
@@ -159,7 +177,7 @@ def run_matrix(layout: Layout, tmp: Path) -> Matrix:
     os.environ[faults.VARIABLE] = ",".join(map(str, planned))
     try:
         job = Launch(directory / "job", layout.processes, _flags(directory, steps, layout.dp, len(planned)),
-                     restarts=len(planned))  # fmt: skip
+                     restarts=len(planned), rank_logs=directory / "ranks")  # fmt: skip
     finally:
         del os.environ[faults.VARIABLE]
     alone = Launch(reference / "job", layout.processes, _flags(reference, steps, layout.dp, 0))
@@ -171,7 +189,7 @@ def run_matrix(layout: Layout, tmp: Path) -> Matrix:
         job.stop()
         alone.stop()
     stderr = (directory / "job.err").read_text()
-    return Matrix(layout, directory, planned, expected, stdout, stderr, reference_stdout)
+    return Matrix(layout, directory, planned, expected, stdout, stderr, directory / "ranks", reference_stdout)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=lambda layout: layout.name)
@@ -186,23 +204,23 @@ def matrix(request, tmp_path_factory) -> Matrix:
 
 
 def test_each_attempt_dies_where_planned_and_the_last_runs_clean(matrix):
-    found = deaths(matrix.stderr)
+    found = matrix.deaths()
     assert [death.fault for death in found] == matrix.planned
     assert [death.attempt for death in found] == list(range(len(matrix.planned)))
 
 
 def test_every_survivor_says_once_which_peer_it_lost_and_nothing_else_is_printed(matrix):
     world = matrix.layout.processes
-    for death in deaths(matrix.stderr):
+    for death in matrix.deaths():
         survivors = sorted(survivor_rank(error) for error in death.errors)
         assert survivors == [r for r in range(world) if r != death.fault.rank], (death.fault, death.errors)
         assert all("lost the connection to" in error for error in death.errors), death.errors
         assert death.others == [], (death.fault, death.others)  # no traceback, no "stopped" for want of one
-    assert "Traceback" not in matrix.stderr
+    assert "Traceback" not in matrix.stderr  # nor in torchrun's own output
 
 
 def test_each_restart_resumes_from_the_newest_checkpoint_there_was(matrix):
-    assert resumes(matrix.stdout, deaths(matrix.stderr)) == matrix.expected_resumes
+    assert resumes(matrix.stdout, matrix.deaths()) == matrix.expected_resumes
     assert not list((matrix.directory / "checkpoints").glob("*.partial")), "the killed save was redone"
 
 
@@ -233,7 +251,7 @@ def fault_table(matrix: Matrix) -> list[str]:
         "| place | the rank that dies | what the survivors print (one line each) | next attempt resumes |",
         "| --- | --- | --- | --- |",
     ]
-    found = deaths(matrix.stderr)
+    found = matrix.deaths()
     for death, resumed in zip(found, resumes(matrix.stdout, found)[1:], strict=True):
         fault = death.fault
         errors = sorted(death.errors, key=survivor_rank)
