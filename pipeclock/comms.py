@@ -441,9 +441,14 @@ def broadcast(
     return tensor
 
 
-def all_reduce(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The sum of ``tensor`` over the ranks (of ``group``), in place, within the timeout."""
-    wait(dist.all_reduce(tensor, group=group, async_op=True), what, group=group)
+def all_reduce(
+    tensor: torch.Tensor,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> torch.Tensor:
+    """The sum (or ``op``) of ``tensor`` over the ranks (of ``group``), in place, within the timeout."""
+    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group=group)
     return tensor
 
 

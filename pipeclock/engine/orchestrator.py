@@ -243,36 +243,32 @@ class Pipeline:
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
         """Share the batch size and check that every rank runs the same configuration.
 
-        Only the first stage sees the inputs and only the last the targets, so one small all-gather lets
-        every rank raise the same clear error for a bad batch, before any pipeline message is sent.
+        Only the first stage sees the inputs and only the last the targets, so one small collective lets
+        every rank raise the same clear error for a bad batch, before any pipeline message is sent. It is
+        an all-reduce taking the maximum of each value and of its negation: every rank then knows the
+        first stage's batch, the last stage's, and whether all ranks agree (the largest value equals the
+        smallest). Only when they do not are the ranks' values gathered, to name them in the error. (An
+        all-gather of the same few numbers cost gloo three to four times the CPU of this all-reduce on
+        four ranks.)
         """
         first, last = self.rank == self.first_rank, self.rank == self.last_rank
-        mine = torch.tensor(
-            [
-                self.num_microbatches,
-                len(self.chunks),
-                self._fingerprint,
-                _batch_size(inputs, "the inputs") if first else -2,
-                _batch_size(targets, "the targets") if last else -2,
-            ],
-            dtype=torch.int64,
-            device=self.device,
-        )
+        agreed = [self.num_microbatches, len(self.chunks), self._fingerprint]
+        mine = [
+            *agreed,
+            _batch_size(inputs, "the inputs") if first else NOT_HERE,
+            _batch_size(targets, "the targets") if last else NOT_HERE,
+        ]
         faults.point("gather", self.steps_done)
-        rows = (
-            [mine]
-            if self.num_stages == 1
-            else comms.all_gather(mine, "agreeing on the batch and schedule", self.group)
-        )
-        rows = [row.tolist() for row in rows]
-        if any(row[:3] != rows[0][:3] for row in rows):
-            described = "; ".join(
-                f"rank {self.peers[r]}: m={row[0]}, chunks={row[1]}" for r, row in enumerate(rows)
-            )
-            raise ValueError(
-                f"rank {self.global_rank}: ranks disagree on micro-batches, chunks or schedule ({described})"
-            )
-        batch, target_batch = rows[self.first_rank][3], rows[self.last_rank][4]
+        if self.num_stages == 1:
+            largest, smallest = mine, agreed
+        else:
+            both = torch.tensor(mine + [-value for value in agreed], dtype=torch.int64, device=self.device)
+            what = "agreeing on the batch and schedule"
+            reduced = comms.all_reduce(both, what, self.group, op=dist.ReduceOp.MAX).tolist()
+            largest, smallest = reduced[: len(mine)], [-value for value in reduced[len(mine) :]]
+        if largest[: len(agreed)] != smallest:
+            self._disagreement(mine)
+        batch, target_batch = largest[len(agreed)], largest[len(agreed) + 1]
         if batch < 0:
             raise ValueError(
                 f"rank {self.global_rank}: the first stage (rank {self.peers[self.first_rank]}) "
@@ -293,6 +289,17 @@ class Pipeline:
             raise ValueError(f"rank {self.global_rank}: {error}") from None
         self.first_sample = self.replicas.first_sample(batch)
         return sizes
+
+    def _disagreement(self, mine: list[int]) -> None:
+        """Some rank runs another configuration: every rank gathers them all and raises the same error."""
+        row = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        rows = [r.tolist() for r in comms.all_gather(row, "agreeing on the batch and schedule", self.group)]
+        described = "; ".join(
+            f"rank {self.peers[r]}: m={row[0]}, chunks={row[1]}" for r, row in enumerate(rows)
+        )
+        raise ValueError(
+            f"rank {self.global_rank}: ranks disagree on micro-batches, chunks or schedule ({described})"
+        )
 
     def _share_loss(self, loss: torch.Tensor | None) -> float:
         """The global batch's loss on every rank: summed over the replicas, sent from the last stage."""
@@ -346,6 +353,9 @@ def _starts_in_place(module: nn.Module) -> bool:
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
     return bool(getattr(module, "inplace", False))
+
+
+NOT_HERE = -2  # a batch size from a rank that does not hold that end of the pipeline (-1: given None)
 
 
 def _batch_size(tree, what: str) -> int:
