@@ -34,7 +34,7 @@ PLACES: dict[str, str] = {
     "W": "in a weight-gradient backward, before it runs",
     "send": "right after posting an activation's send, which is still in flight",
     "recv": "in a receive: the activation's receive posted, about to wait for it",
-    "gather": "in the all-gather of the batch's shape that opens a step",
+    "gather": "in the all-reduce that agrees on the batch and the schedule and opens a step",
     "loss": "in the broadcast of the loss that closes a step",
     "save": "half-way through a checkpoint save: every rank's file written, the directory not yet renamed",
     "resume": "during a resume, before loading its share of the checkpoint",
