@@ -23,7 +23,7 @@ import contextlib
 import datetime
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -232,6 +232,16 @@ def wait(work: dist.Work, what: str, peer: int | None = None, group=_ANYONE) -> 
         raise explain(error, what, peer, group) from error
 
 
+def _collective(post: Callable[[], dist.Work], what: str, peer: int | None = None, group=_ANYONE) -> None:
+    """Start a collective and wait for it; a failure when starting it (a member already gone) is
+    reported like one while waiting."""
+    try:
+        work = post()
+    except RuntimeError as error:
+        raise explain(error, what, peer, group) from error
+    wait(work, what, peer, group)
+
+
 def explain(error: RuntimeError, what: str, peer: int | None = None, group=_ANYONE) -> CommError:
     """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and the
     ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer".
@@ -294,8 +304,7 @@ class PendingSend:
     what: str | None = None
 
     def wait(self) -> None:
-        what = self.what or f"sending a tensor of shape {tuple(self.tensor.shape)}"
-        wait(self.work, f"{what} to rank {self.dest}", self.dest)
+        wait(self.work, _described(self.what, "sending", self.tensor.shape, "to", self.dest), self.dest)
 
 
 @dataclass
@@ -308,16 +317,37 @@ class PendingRecv:
     what: str | None = None
 
     def wait(self) -> torch.Tensor:
-        what = self.what or f"receiving a tensor of shape {tuple(self.tensor.shape)}"
-        wait(self.work, f"{what} from rank {self.src}", self.src)
+        wait(self.work, _described(self.what, "receiving", self.tensor.shape, "from", self.src), self.src)
         return self.tensor
+
+
+def _described(what: str | None, doing: str, shape: torch.Size, preposition: str, peer: int) -> str:
+    """How a message names itself in errors: the caller's words, or its shape, and the other rank."""
+    return f"{what or f'{doing} a tensor of shape {tuple(shape)}'} {preposition} rank {peer}"
+
+
+def _posted(
+    post: Callable[[], dist.Work],
+    what: str | None,
+    doing: str,
+    shape: torch.Size,
+    preposition: str,
+    peer: int,
+) -> dist.Work:
+    """Post a send or receive. Posting can fail at once, when the peer's connection is already closed
+    (it died meanwhile): that is the same lost peer a wait would report, in the same words."""
+    try:
+        return post()
+    except RuntimeError as error:
+        raise explain(error, _described(what, doing, shape, preposition, peer), peer) from error
 
 
 def isend(tensor: torch.Tensor, dest: int, tag: int = 0, what: str | None = None) -> PendingSend:
     """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
     tensor = tensor.detach().contiguous()
     group, peer = _route("to", dest)
-    return PendingSend(group.send([tensor], peer, tag), tensor, dest, what)
+    work = _posted(lambda: group.send([tensor], peer, tag), what, "sending", tensor.shape, "to", dest)
+    return PendingSend(work, tensor, dest, what)
 
 
 def irecv(
@@ -330,7 +360,8 @@ def irecv(
     """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
     tensor = torch.empty(shape, dtype=dtype, device=device())
     group, peer = _route("from", src)
-    return PendingRecv(group.recv([tensor], peer, tag), tensor, src, what)
+    work = _posted(lambda: group.recv([tensor], peer, tag), what, "receiving", tensor.shape, "from", src)
+    return PendingRecv(work, tensor, src, what)
 
 
 def _route(direction: str, peer: int) -> tuple[dist.ProcessGroup, int]:
@@ -429,7 +460,7 @@ def _describe(shape: tuple[int, ...], dtype: torch.dtype) -> str:
 def all_gather(tensor: torch.Tensor, what: str, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape everywhere; the ranks of ``group``), within the timeout."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    wait(dist.all_gather(gathered, tensor, group=group, async_op=True), what, group=group)
+    _collective(lambda: dist.all_gather(gathered, tensor, group=group, async_op=True), what, group=group)
     return gathered
 
 
@@ -437,7 +468,7 @@ def broadcast(
     tensor: torch.Tensor, src: int, what: str, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``src``'s ``tensor`` on every rank (of ``group``; ``src`` is a global rank), in place, in time."""
-    wait(dist.broadcast(tensor, src, group=group, async_op=True), what, src, group)
+    _collective(lambda: dist.broadcast(tensor, src, group=group, async_op=True), what, src, group)
     return tensor
 
 
@@ -448,7 +479,7 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> torch.Tensor:
     """The sum (or ``op``) of ``tensor`` over the ranks (of ``group``), in place, within the timeout."""
-    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group=group)
+    _collective(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group=group)
     return tensor
 
 
@@ -467,7 +498,7 @@ def all_gather_object(obj: object, what: str, group: dist.ProcessGroup | None = 
 
 def barrier(what: str = "waiting at a barrier") -> None:
     """Wait until every rank arrives, within the timeout."""
-    wait(dist.barrier(async_op=True), what, group=None)
+    _collective(lambda: dist.barrier(async_op=True), what, group=None)
 
 
 def gather_object(obj: object, what: str, dst: int = 0) -> list[object] | None:
