@@ -98,6 +98,21 @@ def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(t
         assert (tmp_path / page.name).read_text() == page.read_text(), f"{page.name} was out of date"
 
 
+def test_a_build_of_named_pages_runs_only_their_commands_and_an_unknown_page_is_one_error(tmp_path):
+    for page in pages():
+        shutil.copy(page, tmp_path / page.name)
+    docs = [sys.executable, "-m", "pipeclock", "docs", "--quick", "--docs", str(tmp_path)]
+    done = subprocess.run([*docs, "lab6-1f1b"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    on_lab6 = [block for block in BLOCKS if block.page.name == "lab6-1f1b.md" and block.simulator_only]
+    lab6 = {name for block in on_lab6 for _, name in block.notes.figures}
+    assert lab6 and {path.name for path in (tmp_path / "figures").iterdir()} == lab6
+
+    wrong = subprocess.run([*docs, "lab99"], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "no page lab99.md" in wrong.stdout + wrong.stderr
+    assert "Traceback" not in wrong.stdout + wrong.stderr
+
+
 # --- the convention itself ------------------------------------------------------------------------
 
 

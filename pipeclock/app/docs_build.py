@@ -333,16 +333,27 @@ class Outcome:
     problem: str | None = None
 
 
-def pages(docs: Path = DOCS) -> list[Path]:
-    return sorted(docs.glob("*.md"))
+def pages(docs: Path = DOCS, names: list[str] | None = None) -> list[Path]:
+    """The pages in ``docs``; with ``names`` (``lab5-gpipe`` or ``lab5-gpipe.md``), only those."""
+    every = sorted(docs.glob("*.md"))
+    if not names:
+        return every
+    wanted = {name if name.endswith(".md") else f"{name}.md" for name in names}
+    unknown = sorted(wanted - {page.name for page in every})
+    if unknown:
+        raise PageError(f"no page {', '.join(unknown)} in {_shown(docs)}")
+    return [page for page in every if page.name in wanted]
 
 
-def build(docs: Path = DOCS, quick: bool = False, say: Callable[[str], None] = print) -> list[Outcome]:
+def build(
+    docs: Path = DOCS, quick: bool = False, say: Callable[[str], None] = print, only: list[str] | None = None
+) -> list[Outcome]:
     """Run every quoted command (with ``quick``, only the simulator's), refresh the quoted outputs and
-    the generated tables, and draw every figure the pages show afresh into ``docs/figures``."""
+    the generated tables, and draw every figure the pages show afresh into ``docs/figures``. ``only``
+    names the pages to rebuild (all by default): redrawing one lab's figures need not rerun the others'."""
     (docs / "figures").mkdir(parents=True, exist_ok=True)
     outcomes = []
-    for page in pages(docs):
+    for page in pages(docs, only):
         original = page.read_text()
         blocks = [block for block in read_blocks(page) if block.simulator_only or not quick]
         if not blocks and "<!-- generated:" not in original:

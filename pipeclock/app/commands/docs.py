@@ -2,6 +2,7 @@
 
 python -m pipeclock docs            # every command the pages quote (labs included): a few minutes
 python -m pipeclock docs --quick    # only the simulator's commands and tables: seconds
+python -m pipeclock docs lab5-gpipe # only the commands one page quotes
 
 Every command quoted in ``docs/*.md`` is run again; its output replaces the quoted one (keeping the
 lines the page chose to show) and the figures it draws are copied into ``docs/figures/``. How a page
@@ -21,6 +22,9 @@ from pipeclock.app.docs_tables import TableError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "pages", nargs="*", metavar="PAGE", help="rebuild only these pages, e.g. lab5-gpipe (default: all)"
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="only the commands that start no process (python -m pipeclock schedule)",
@@ -34,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     start = time.perf_counter()
     try:
-        outcomes = build(args.docs, quick=args.quick)
+        outcomes = build(args.docs, quick=args.quick, only=args.pages)
     except (PageError, TableError) as error:
         print(f"pipeclock docs: error: {error}")
         return 2
