@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeclock import schedule
 from pipeclock.app.train import TrainConfig, train
-from pipeclock.engine.backward import ParameterOutputs
+from pipeclock.engine.backward import ParameterOutputs, in_place_saves_enough
 from pipeclock.model import ShardedMLP, split_sequential
 from tests.distributed import run_ok
 
@@ -60,6 +60,15 @@ def test_only_a_wide_enough_linear_stage_splits_a_backward_that_w_follows_at_onc
     assert not any(module._forward_hooks for module in narrow.modules()), "an unused hook costs a call"
     assert ParameterOutputs([ShardedMLP(8, 4)], defers_weights=True).hooked, "a deferred W needs them"
     assert not ParameterOutputs([varied_sequential()], defers_weights=False).split_pays  # LayerNorm
+
+
+def test_a_wide_stage_splits_only_micro_batches_small_next_to_its_weights():
+    wide = ShardedMLP(WIDE, 4)
+    outputs = ParameterOutputs([wide], defers_weights=False)
+    for rows, splits in ((WIDE // 8, True), (WIDE // 4, True), (WIDE // 2, False)):
+        with outputs.capture() as captured:
+            wide(torch.randn(rows, WIDE))
+        assert in_place_saves_enough(captured) == splits, rows
 
 
 def microbatch_counts(p: int) -> list[int]:

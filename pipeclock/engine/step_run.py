@@ -23,6 +23,7 @@ from pipeclock.engine.backward import (
     backward_whole,
     gradient_roots,
     held_tensors,
+    in_place_saves_enough,
     modified_in_place,
     nothing_to_accumulate,
 )
@@ -222,8 +223,9 @@ class StepRun:
 
         Always under a data-parallel wrapper that needs autograd's own hooks (``split_backward`` false);
         never when W is deferred. A backward that W follows at once is split only where that pays
-        (``backward.in_place_pays``: only Linears, wide enough) and can: not when an output was changed
-        in place (its gradient cannot be split off), nor when there is no gradient to add to yet
+        (``backward.in_place_pays``: only Linears, wide enough; ``backward.in_place_saves_enough``: the
+        micro-batch small next to the weights) and can: not when an output was changed in place (its
+        gradient cannot be split off), nor when there is no gradient to add to yet
         (``backward.nothing_to_accumulate``: the split would only add Python).
         """
         if not self.pipe.replicas.split_backward:
@@ -232,6 +234,7 @@ class StepRun:
             return False
         return (
             not self.pipe.parameter_outputs.split_pays
+            or not in_place_saves_enough(captured)
             or modified_in_place(captured) is not None
             or nothing_to_accumulate(captured)
         )

@@ -33,6 +33,7 @@ from pipeclock.engine.backward import (
     backward_weight,
     backward_whole,
     held_tensors,
+    in_place_saves_enough,
 )
 from pipeclock.engine.memory import is_parameter_cast
 from pipeclock.engine.precision import Precision, parse_precision
@@ -186,6 +187,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
                 forwards = [
                     _forward(x, feed, c, accumulate=True) for x, c in zip(alike, captures, strict=True)
                 ]
+                saves = in_place_saves_enough(forwards[0].captured)  # the same for every pass
                 passes = [_backward(done, split) for done in reversed(forwards)]
                 if run >= warmup:
                     for op in samples.keys() & passes[0].times.keys():
@@ -210,7 +212,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
         samples=0,
         parameters=sum(p.numel() for p in layer.parameters()),
         forward=min(samples["F"]),
-        backward=split_total if capture.split_pays else whole,  # what the engine does for an unsplit B
+        backward=split_total if capture.split_pays and saves else whole,  # the engine's unsplit B
         input_grad=min(samples["I"]),
         weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
