@@ -1,6 +1,6 @@
 """The fault matrix: a rank SIGKILLed at every place it can die, and the run still ends as if it had not.
 
-One ``torchrun --max-restarts 9`` job per layout (2 ranks, 4 ranks, dp 2 x pp 2) dies nine times, once
+One ``torchrun --max-restarts K`` job per layout (2 ranks, 4 ranks, dp 2 x pp 2) dies K times, once
 per attempt, each time at another place (``PIPECLOCK_FAULT``, ``pipeclock.engine.faults``). For every
 death the test reads the log and checks that each survivor printed one clear error of its own, naming
 its rank and what it was waiting for, before anything stopped it (so within the timeout: a survivor that
@@ -34,8 +34,7 @@ from tests.test_checkpoint import Launch, _final_loss, _losses
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "faults.md"
-MODEL = dict(hidden=32, layers=8, batch_size=16, microbatches=4, schedule="zb-h1", timeout=20)
-ORDER = ("F", "I", "W", "send", "recv", "gather", "loss", "save", "resume")
+MODEL = dict(hidden=32, layers=8, batch_size=16, microbatches=4, timeout=20)
 ALL_LAYOUTS = os.environ.get("PIPECLOCK_FAULTS_ALL") == "1"
 WRITE = os.environ.get("PIPECLOCK_WRITE_FAULTS") == "1"
 JOB_TIMEOUT = 500.0  # a job that hangs fails the test after this (seconds); each layout's job is one test's
@@ -47,7 +46,8 @@ class Layout:
     name: str
     processes: int
     dp: int
-    victims: dict[str, int]  # place -> the rank that dies there
+    schedule: str  # zb-h1 splits the backward into I and W; 1f1b runs it whole, as B
+    victims: dict[str, int]  # place -> the rank that dies there, in the order the attempts die
 
     def plan(self) -> tuple[list[faults.Fault], list[int], int]:
         """The fault of each attempt, the step each attempt resumes from, and the run's length.
@@ -57,7 +57,7 @@ class Layout:
         the next attempt has none), or in the resume itself.
         """
         planned, resumes, at = [], [], 0
-        for place in ORDER:
+        for place in self.victims:
             resumes.append(at)
             step = at if place == "resume" else at + 1
             planned.append(faults.Fault(place, self.victims[place], step))
@@ -67,14 +67,15 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("2 ranks", 2, 1, dict(F=1, I=1, W=0, send=0, recv=1, gather=1, loss=0, save=0, resume=1)),
-    Layout("4 ranks", 4, 1, dict(F=2, I=1, W=2, send=1, recv=3, gather=3, loss=1, save=0, resume=2)),
-    Layout("dp 2 x pp 2", 4, 2, dict(F=3, I=1, W=2, send=2, recv=3, gather=1, loss=2, save=0, resume=3)),
+    Layout("2 ranks", 2, 1, "zb-h1", dict(F=1, I=1, W=0, send=0, recv=1, gather=1, loss=0, save=0, resume=1)),
+    Layout("4 ranks", 4, 1, "zb-h1", dict(F=2, I=1, W=2, send=1, recv=3, gather=3, loss=1, save=0, resume=2)),
+    Layout("dp 2 x pp 2", 4, 2, "1f1b", dict(F=3, B=1, send=2, recv=3, gather=1, loss=2, save=0, resume=3)),
 ]
 
 
-def _flags(directory: Path, steps: int, dp: int, restarts: int) -> list[str]:
-    options = {**MODEL, "steps": steps, "dp": dp, "checkpoint_dir": directory / "checkpoints"}
+def _flags(layout: Layout, directory: Path, steps: int, restarts: int) -> list[str]:
+    options = {**MODEL, "schedule": layout.schedule, "steps": steps, "dp": layout.dp}
+    options |= {"checkpoint_dir": directory / "checkpoints"}
     options |= {"checkpoint_every": 1, "losses": directory / "losses.json"}
     flags = ["train", "--resume"] if restarts else ["train"]
     for name, value in options.items():
@@ -176,11 +177,11 @@ def run_matrix(layout: Layout, tmp: Path) -> Matrix:
     reference.mkdir(parents=True)
     os.environ[faults.VARIABLE] = ",".join(map(str, planned))
     try:
-        job = Launch(directory / "job", layout.processes, _flags(directory, steps, layout.dp, len(planned)),
+        job = Launch(directory / "job", layout.processes, _flags(layout, directory, steps, len(planned)),
                      restarts=len(planned), rank_logs=directory / "ranks")  # fmt: skip
     finally:
         del os.environ[faults.VARIABLE]
-    alone = Launch(reference / "job", layout.processes, _flags(reference, steps, layout.dp, 0))
+    alone = Launch(reference / "job", layout.processes, _flags(layout, reference, steps, 0))
     try:
         with contextlib.suppress(subprocess.TimeoutExpired):  # ten attempts take longer than one
             job.proc.wait(timeout=JOB_TIMEOUT)
@@ -242,7 +243,15 @@ def test_the_page_shows_what_the_matrix_measured(matrix):
     if WRITE:
         PAGE.write_text(before + begin + "\n" + measured + end + after)
         current = measured
-    assert current == measured, f"docs/faults.md ({matrix.layout.name}) should read:\n{measured}"
+    wanted = f"docs/faults.md ({matrix.layout.name}) should read:\n{measured}"
+    assert _timing_free(current) == _timing_free(measured), wanted
+
+
+def _timing_free(table: str) -> list[str]:
+    """A table with each survivor's message cut to its rank: on 4 ranks, what a survivor was doing when
+    it noticed (waiting for a gradient, or already in the loss broadcast) depends on how far it got, so
+    the page shows one run's words, and the test (which checks every message's form) compares the rest."""
+    return [re.sub(r"(rank \d+): [^|]*?(?=<br>| \|)", r"\1", line) for line in table.splitlines()]
 
 
 def fault_table(matrix: Matrix) -> list[str]:
