@@ -110,7 +110,7 @@ def in_place_saves_enough(captured: Sequence[Captured]) -> bool:
     """
     outputs = [item for item in captured if item.output is not None]
     weights = sum(item.module.weight.numel() for item in outputs if isinstance(item.module, nn.Linear))
-    return weights >= IN_PLACE_SAVES_FROM * sum(item.output.numel() for item in outputs)
+    return bool(outputs) and weights >= IN_PLACE_SAVES_FROM * sum(item.output.numel() for item in outputs)
 
 
 class ParameterOutputs:
@@ -136,6 +136,7 @@ class ParameterOutputs:
         # True when some module's W must go back through autograd
         self.keeps_graph = any(not isinstance(m, nn.Linear) and m not in self._recomputed for m in owners)
         self.split_pays = in_place_pays(owners)  # a backward W follows at once is better split
+        self.defers_weights = defers_weights
         self.hooked = defers_weights or self.split_pays
         if self.hooked:
             for module in owners:

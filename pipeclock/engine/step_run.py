@@ -183,6 +183,8 @@ class StepRun:
                 fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
                 output = pipe.chunks[chunk](fed)
             stashed += pytree.leaves(output)
+        if not pipe.parameter_outputs.defers_weights and not in_place_saves_enough(self._captured):
+            self._captured = []  # the backward will be whole: holding the outputs would only keep memory
         return output
 
     def backward(self, action: Action) -> None:
