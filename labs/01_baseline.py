@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock.app.data import SyntheticRegression
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.model import full_mlp, parameter_bytes
 
 
@@ -65,4 +66,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

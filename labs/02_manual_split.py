@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock.app.data import SyntheticRegression
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.model import full_mlp, split_sequential
 
 GB = 1e9
@@ -119,4 +120,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

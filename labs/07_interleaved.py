@@ -23,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from pipeclock import comms
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
@@ -146,4 +147,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

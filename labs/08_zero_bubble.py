@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from pipeclock import comms
 from pipeclock.app.data import SyntheticRegression
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.engine.orchestrator import Pipeline
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

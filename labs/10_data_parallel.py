@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock import comms
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.app.tasks import make_task
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock import comms
+from pipeclock.app.interrupts import run_as_script
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.observe.model_specs import gpt_spec
@@ -245,4 +246,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_script(main)

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -37,11 +34,10 @@ from pipeclock.app import checkpoint, cli
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP
 from tests.distributed import run_ok, run_ranks
+from tests.jobs import Launch, losses_of
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"hidden": 32, "layers": 8, "batch_size": 16, "microbatches": 4}
 STEPS = 20
-LAUNCH_TIMEOUT = 240.0
 
 
 def _flags(**options) -> list[str]:
@@ -50,76 +46,6 @@ def _flags(**options) -> list[str]:
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
-
-
-# --- launching ---------------------------------------------------------------------------------------------
-
-
-class Launch:
-    """One torchrun job, started now; ``result`` waits for it, ``stop`` kills what is left of it.
-
-    Its output goes to files, not pipes: a job whose pipe nobody reads while others run would block.
-    """
-
-    def __init__(
-        self,
-        log: Path,
-        stages: int,
-        flags: list[str],
-        *,
-        restarts: int = 0,
-        module: str = "pipeclock",
-        rendezvous: list[str] | None = None,
-        rank_logs: Path | None = None,
-    ):
-        """``rendezvous``: torchrun's flags for joining the job (default: ``--standalone``, one machine).
-        ``rank_logs``: each rank's stderr goes to its own file there, per attempt (torchrun's
-        ``--log-dir``, ``--redirects 2``), so that lines printed at once by two ranks cannot interleave."""
-        env = dict(os.environ)
-        if restarts:
-            # torch 2.13's torchrun keeps one store across restarts, so a restarted group can read the dead
-            # attempt's addresses and fail or hang (pytorch#135712); a store per attempt avoids it.
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        self.command = [
-            sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]),
-            "--nproc-per-node", str(stages),
-            "--max-restarts", str(restarts),
-            *(["--log-dir", str(rank_logs), "--redirects", "2"] if rank_logs else []),
-            "-m", module, *flags,
-        ]  # fmt: skip
-        self.out, self.err = log.with_suffix(".out"), log.with_suffix(".err")
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=out, stderr=err)
-
-    def result(self) -> str:
-        """The job's stdout; fails the test on a non-zero exit or a timeout."""
-        try:
-            self.proc.wait(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.stop()
-        out, err = self.out.read_text(), self.err.read_text()
-        assert self.proc.returncode == 0, f"{' '.join(self.command)}\n{out}\n{err}"
-        return out
-
-    def stop(self) -> None:
-        """Kill torchrun and its workers (each worker leads its own session: killing a group misses it)."""
-        if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for worker in psutil.Process(self.proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    worker.kill()
-        self.proc.kill()
-        self.proc.wait()
-
-
-def _losses(path: Path) -> tuple[int, list[float]]:
-    saved = json.loads(path.read_text())
-    return saved["first_step"], saved["losses"]
-
-
-def _final_loss(log: str) -> str:
-    return re.findall(r"^final loss ([\d.]+) after \d+ steps$", log, re.M)[-1]
 
 
 # --- the reference run (gloo processes: its trained stages are chained to check export) ------------------
@@ -263,7 +189,7 @@ class Runs:
     killed_save: list  # per rank RankOutcome of _die_while_saving_step_10
 
     def losses(self, name: str) -> tuple[int, list[float]]:
-        return _losses(self.tmp / f"{name}.json")
+        return losses_of(self.tmp / f"{name}.json")
 
     @property
     def reference_losses(self) -> list[float]:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import pytest
 from pipeclock.app.arguments import DefaultsHelpFormatter, shows_default
 from pipeclock.app.cli import COMMANDS, build_parser, main
 from pipeclock.app.commands.train import StepsSeen
+from tests.jobs import signal_group_when
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE = 120  # seconds: only a hung run gets near it
@@ -194,24 +194,6 @@ def _start_training(launcher: list[str], **popen) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=env, text=True, start_new_session=True, **popen)
 
 
-def _signal_after_the_first_step(process: subprocess.Popen, signum: int) -> list[str]:
-    """Wait for the progress line of step 0, send ``signum`` to the whole group; the lines before it."""
-    killer = threading.Timer(DEADLINE, os.killpg, (process.pid, signal.SIGKILL))  # only if it hangs
-    killer.start()
-    try:
-        seen = []
-        for line in process.stdout:
-            seen.append(line)
-            if line.startswith("step "):
-                os.killpg(process.pid, signum)
-                break
-        assert seen and seen[-1].startswith("step "), "".join(seen)
-        process.wait(timeout=DEADLINE)
-    finally:
-        killer.cancel()
-    return seen
-
-
 def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_no_traceback(tmp_path):
     """Ctrl-C reaches torchrun and every rank at once (one process group), as in a terminal.
 
@@ -221,7 +203,7 @@ def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_no_traceback(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     launcher += ["--log-dir", str(tmp_path), "--redirects", "2"]
     process = _start_training(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _signal_after_the_first_step(process, signal.SIGINT)
+    signal_group_when(process, "step ", signal.SIGINT, DEADLINE)
     launcher_output = process.stdout.read() + process.stderr.read()
     ranks = {}
     for path in glob.glob(str(tmp_path / "*" / "attempt_0" / "*" / "stderr.log")):
@@ -235,7 +217,7 @@ def test_ctrl_c_under_torchrun_is_one_line_per_rank_and_no_traceback(tmp_path):
 
 def test_sigterm_ends_a_run_with_one_line_and_128_plus_the_signal(tmp_path):
     process = _start_training([sys.executable], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _signal_after_the_first_step(process, signal.SIGTERM)
+    signal_group_when(process, "step ", signal.SIGTERM, DEADLINE)
     assert process.returncode == 128 + signal.SIGTERM
     err = process.stderr.read()
     assert err.startswith("rank 0: stopped by SIGTERM at step ") and err.count("\n") == 1, err

@@ -22,7 +22,7 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.text import TextCorpus
 from tests.distributed import free_port
-from tests.test_checkpoint import Launch, _losses
+from tests.jobs import Launch, losses_of
 
 GPT = dict(model="gpt", dim=32, layers=4, heads=2, seq_len=32, batch_size=9, microbatches=2, dropout=0.1)
 STEPS, CLIP, LR = 10, 0.5, 3e-3
@@ -61,7 +61,7 @@ class Runs:
     logs: dict[str, str]
 
     def losses(self, name: str) -> tuple[int, list[float]]:
-        return _losses(self.tmp / f"{name}.json")
+        return losses_of(self.tmp / f"{name}.json")
 
     def printed_losses(self, name: str) -> list[float]:
         """Every step's loss as the job printed it (the latest attempt's, for a restarted step)."""

@@ -30,7 +30,7 @@ import pytest
 
 from pipeclock import comms
 from pipeclock.engine import faults
-from tests.test_checkpoint import Launch, _final_loss, _losses
+from tests.jobs import Launch, final_loss, losses_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "faults.md"
@@ -164,10 +164,10 @@ class Matrix:
         return deaths(self.rank_logs)
 
     def losses(self) -> tuple[int, list[float]]:
-        return _losses(self.directory / "losses.json")
+        return losses_of(self.directory / "losses.json")
 
     def reference_losses(self) -> tuple[int, list[float]]:
-        return _losses(self.directory / "reference" / "losses.json")
+        return losses_of(self.directory / "reference" / "losses.json")
 
 
 def run_matrix(layout: Layout, tmp: Path) -> Matrix:
@@ -230,7 +230,7 @@ def test_the_job_ends_with_the_losses_of_the_run_left_alone_bit_for_bit(matrix):
     start, reference = matrix.reference_losses()
     assert start == 0 and first == matrix.expected_resumes[-1]
     assert losses == reference[first:]
-    assert _final_loss(matrix.stdout) == _final_loss(matrix.reference_stdout)
+    assert final_loss(matrix.stdout) == final_loss(matrix.reference_stdout)
 
 
 def test_the_page_shows_what_the_matrix_measured(matrix):

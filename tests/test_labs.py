@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.commands import run_once
+from tests.jobs import signal_group_when
 
 LABS = Path(__file__).resolve().parents[1] / "labs"
 
@@ -249,3 +252,17 @@ def test_lab11_recompute_keeps_less_for_the_same_loss_and_bf16_halves_the_bytes(
     cuts = re.findall(r"^  (layers|time|memory) +(embed .*? head)  ", out, re.M)
     assert dict(cuts)["layers"] == "embed h0 h1 | h2 h3 head", "by count: three pieces each"
     assert dict(cuts)["memory"].index("|") < dict(cuts)["layers"].index("|"), "rank 0 holds 2 micro-batches"
+
+
+def test_ctrl_c_ends_a_lab_with_one_line_per_rank_and_no_traceback(tmp_path):
+    """Ctrl-C reaches torchrun and every rank at once, as in a terminal; each rank's stderr goes to a file
+    of its own (``--redirects 2``), apart from torchrun's report of the signal."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launcher += ["--log-dir", str(tmp_path), "--redirects", "2"]
+    lab = [str(LABS / "04_naive.py"), "--hidden", "32", "--layers", "4", "--steps", "1000000"]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([*launcher, *lab], cwd=LABS.parent, env=env, **pipes)
+    signal_group_when(process, "naive schedule on 2 stages", signal.SIGINT, deadline=120)
+    ranks = {int(path.parent.name): path.read_text() for path in tmp_path.glob("*/attempt_0/*/stderr.log")}
+    assert ranks == {0: "rank 0: interrupted\n", 1: "rank 1: interrupted\n"}

@@ -9,9 +9,11 @@ before its own signal is handled, and that, too, is an interruption rather than 
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _received: int | None = None
@@ -67,3 +69,24 @@ def received() -> int | None:
 def exit_code(interrupt: KeyboardInterrupt) -> int:
     """128 + the signal number, as a shell reports a process the signal ended (130 for Ctrl-C)."""
     return 128 + getattr(interrupt, "signum", signal.SIGINT)
+
+
+def run_as_script(main: Callable[[], object]) -> None:
+    """Run a script's ``main`` (a lab's) so that Ctrl-C or SIGTERM ends each rank with one line,
+    ``rank R: interrupted``, and exit code 128 + the signal, rather than with a traceback per rank.
+
+    A rank whose peer stopped first sees a broken connection before its own signal is handled; that
+    counts as the interruption too. Any other error keeps its traceback: in a lab it is a bug.
+    """
+    with signals_caught():
+        try:
+            main()
+            return
+        except KeyboardInterrupt as interrupt:
+            code = exit_code(interrupt)
+        except Exception:
+            if _received is None:
+                raise
+            code = 128 + _received
+    print(f"rank {os.environ.get('RANK', '0')}: interrupted", file=sys.stderr, flush=True)
+    raise SystemExit(code)
