@@ -15,6 +15,7 @@ Two kinds of point-to-point call live here:
 
 Every failure is a ``CommError`` whose message names this rank, the peer and the cause: a timeout
 (``CommTimeoutError``), a peer that died (``PeerGoneError``) or a mismatch (``ShapeMismatchError``).
+Those words are ``pipeclock.comm_errors``; this module waits, and hands them what it waited on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pipeclock import comm_errors
+
+# The failure vocabulary lives in comm_errors; callers know it as comms.CommError, comms.PeerGoneError, ...
+from pipeclock.comm_errors import CommError as CommError
+from pipeclock.comm_errors import CommTimeoutError as CommTimeoutError
+from pipeclock.comm_errors import PeerGoneError as PeerGoneError
+from pipeclock.comm_errors import ShapeMismatchError as ShapeMismatchError
 
 MAX_DIMS = 8
 _HEADER_LEN = 2 + MAX_DIMS  # dtype code, number of dims, the dims (zero-padded)
@@ -50,22 +59,6 @@ _channel_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 _rank: int | None = None
 _device: torch.device | None = None
 _routes: dict[tuple[str, int], tuple[dist.ProcessGroup, int]] = {}  # ("to" | "from", peer) -> (group, rank)
-
-
-class CommError(RuntimeError):
-    """A point-to-point or collective call failed; the message names the ranks and the cause."""
-
-
-class CommTimeoutError(CommError, TimeoutError):
-    """A blocking call did not complete within the timeout given to ``init``."""
-
-
-class PeerGoneError(CommError):
-    """The connection to a peer broke: the peer process most likely died."""
-
-
-class ShapeMismatchError(CommError, ValueError):
-    """The receiver expected a different shape or dtype than the sender sent."""
 
 
 # --- joining and leaving -----------------------------------------------------------------------------
@@ -244,22 +237,8 @@ def _collective(post: Callable[[], dist.Work], what: str, peer: int | None = Non
 
 def explain(error: RuntimeError, what: str, peer: int | None = None, group=_ANYONE) -> CommError:
     """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and the
-    ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer".
-    Never this rank itself: the rank that reports is alive, the question is about the others."""
-    text = str(error)
-    who = f"rank {get_rank()}"
-    others = _others(peer, group)
-    other = _ranks(others)
-    if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
-        died = f"{other} most likely died" if len(others) <= 1 else f"one of {other} most likely died"
-        return PeerGoneError(f"{who}: lost the connection to {other} while {what}; {died} (see its log)")
-    if "imed out" in text or "timeout" in text.lower():
-        verb = "are" if len(others) > 1 else "is"
-        return CommTimeoutError(
-            f"{who}: {what} did not complete within {_timeout:g}s; {verb} {other} alive and running the "
-            "same step and schedule?"
-        )
-    return CommError(f"{who}: {what} failed: {text.splitlines()[0]}")
+    ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer"."""
+    return comm_errors.described(error, what, get_rank(), _others(peer, group), _timeout)
 
 
 def _others(peer: int | None, group) -> list[int]:
@@ -270,14 +249,6 @@ def _others(peer: int | None, group) -> list[int]:
     if group is _ANYONE or not dist.is_initialized():
         return []
     return [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != me]
-
-
-def _ranks(ranks: list[int]) -> str:
-    if not ranks:
-        return "a peer"
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
 
 
 @contextlib.contextmanager
