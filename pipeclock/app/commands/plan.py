@@ -13,6 +13,7 @@ layer at a time; ``--params N`` stands for a model too large to build: a Sharded
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 
@@ -177,22 +178,18 @@ def _search(
     from pipeclock.observe.planner import judge
 
     plans: list[Plan] = []
-    for p in stages:
-        for name in schedules:
-            for m in microbatches:
-                layers = [layer.scaled(math.ceil(model.batch_size / m)) for layer in model.layers]
-                for recompute in recomputes:
-                    config = Training(training.dtype, training.optimizer, recompute)
-                    try:
-                        plan = judge(
-                            layers, name, p, m, config, balance, simulated=False, runtime_memory=runtime
-                        )
-                    except ValueError:
-                        continue  # this schedule cannot take (p, m) or this many stages
-                    if plan.fits(device):
-                        simulated = {"action_overhead": overhead, "runtime_memory": runtime}
-                        plan = judge(layers, name, p, m, config, balance, **simulated)
-                    plans.append(plan)
+    for p, name, m, recompute in itertools.product(stages, schedules, microbatches, recomputes):
+        layers = [layer.scaled(math.ceil(model.batch_size / m)) for layer in model.layers]
+        config = Training(training.dtype, training.optimizer, recompute)
+        try:  # memory first: only a plan that fits is worth simulating
+            plan = judge(layers, name, p, m, config, balance, simulated=False, runtime_memory=runtime)
+        except ValueError:
+            continue  # this schedule cannot take (p, m) or this many stages
+        if plan.fits(device):
+            plan = judge(
+                layers, name, p, m, config, balance, action_overhead=overhead, runtime_memory=runtime
+            )
+        plans.append(plan)
     return plans
 
 
