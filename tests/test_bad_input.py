@@ -97,6 +97,7 @@ PIPELINE_CASES = [
     Case("ranks that disagree on the micro-batch count", ("rank 0: m=2", "rank 1: m=3")),
     Case("no inputs on the first stage", ("first stage", "no inputs")),
     Case("targets of another batch than the inputs", ("6 inputs but 5 targets",)),
+    Case("inputs whose tensors disagree on the batch size", ("leaves of the inputs disagree",), reporter=0),
 ]
 PIPELINE_KEYS = [
     "zero micro-batches",
@@ -107,6 +108,7 @@ PIPELINE_KEYS = [
     "ranks disagree on m",
     "no inputs on the first stage",
     "targets of another batch",
+    "inputs of two batch sizes",
 ]
 
 # --- ranks that never come: one ``pipeclock train`` process, alone, as a user would see it -------------

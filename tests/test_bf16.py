@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pipeclock import comms, schedule
 from pipeclock.app.train import TrainConfig, train
+from pipeclock.engine import step_ends
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.precision import parse_precision
 from pipeclock.models.gpt import GPT, GPTConfig
@@ -36,17 +37,18 @@ def test_a_dtype_is_fp32_or_bf16_and_anything_else_one_line():
 
 
 class SentBytes:
-    """Counts the floating-point bytes this rank hands to ``comms.isend`` (headers are bytes: not counted)."""
+    """Counts the activation and gradient bytes this rank hands to ``comms.isend`` (not the headers, which
+    are bytes, nor the loss, a float64 scalar sent to every rank once a step)."""
 
     def __init__(self):
         self.total = 0
         self._isend = comms.isend
         comms.isend = self._count
 
-    def _count(self, tensor, *args, **kwargs):
-        if tensor.is_floating_point():
+    def _count(self, tensor, dest, tag=0, *args, **kwargs):
+        if tensor.is_floating_point() and tag != step_ends.LOSS_TAG:
             self.total += tensor.numel() * tensor.element_size()
-        return self._isend(tensor, *args, **kwargs)
+        return self._isend(tensor, dest, tag, *args, **kwargs)
 
 
 def one_step(rank: int, p: int, name: str, model: str, dtype: str, sent: SentBytes):

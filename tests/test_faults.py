@@ -249,7 +249,7 @@ def test_the_page_shows_what_the_matrix_measured(matrix):
 
 def _timing_free(table: str) -> list[str]:
     """A table with each survivor's message cut to its rank: on 4 ranks, what a survivor was doing when
-    it noticed (waiting for a gradient, or already in the loss broadcast) depends on how far it got, so
+    it noticed (waiting for a gradient, or already for the loss) depends on how far it got, so
     the page shows one run's words, and the test (which checks every message's form) compares the rest."""
     return [re.sub(r"(rank \d+): [^|]*?(?=<br>| \|)", r"\1", line) for line in table.splitlines()]
 

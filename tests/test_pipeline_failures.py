@@ -47,6 +47,7 @@ def _bad_configurations(rank: int, world: int) -> dict[str, str]:
         "ranks disagree on m": lambda: schedule.Pipeline(stage, "gpipe", 2 + rank).step(x, y),
         "no inputs on the first stage": lambda: schedule.Pipeline(stage, "gpipe", 2).step(None, y),
         "targets of another batch": lambda: schedule.Pipeline(stage, "gpipe", 2).step(x, y[:5]),
+        "inputs of two batch sizes": lambda: schedule.Pipeline(stage, "gpipe", 2).step((x, x[:5]), y),
     }
     return {name: _error_of(case) for name, case in cases.items()}
 
@@ -71,6 +72,14 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
     for outcome in outcomes:
         for name, message in expected.items():
             assert outcome.value[name] == message.format(r=outcome.rank), name
+        unreadable = outcome.value["inputs of two batch sizes"]
+        if outcome.rank == 0:  # the rank given them says what is wrong; the others, where to look
+            assert unreadable.startswith("ValueError: rank 0: the leaves of the inputs disagree on the batch")
+        else:
+            assert unreadable == (
+                "ValueError: rank 1: the first stage (rank 0) could not read its inputs "
+                "(its own error says why)"
+            )
         assert outcome.value["custom schedule that deadlocks"].startswith(
             "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"
         )

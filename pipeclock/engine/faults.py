@@ -1,6 +1,6 @@
 """Deliberate deaths, to prove a run survives them: ``PIPECLOCK_FAULT=place:rank:step``.
 
-A rank of a pipeline can die anywhere: in a forward, blocked on a receive, in the loss broadcast, half-way
+A rank of a pipeline can die anywhere: in a forward, blocked on a receive, while the loss is shared, half-way
 through a checkpoint. Each such place is marked in the code with ``faults.point(place, step)``; the train
 command arms this module from the environment, and the rank named there SIGKILLs itself (no goodbye, no
 cleanup, as a crashed machine) the first time it reaches the place at that step::
@@ -34,8 +34,8 @@ PLACES: dict[str, str] = {
     "W": "in a weight-gradient backward, before it runs",
     "send": "right after posting an activation's send, which is still in flight",
     "recv": "in a receive: the activation's receive posted, about to wait for it",
-    "gather": "in the all-reduce that agrees on the batch and the schedule and opens a step",
-    "loss": "in the broadcast of the loss that closes a step",
+    "gather": "as a step opens, before the ranks holding the pipeline's ends send every rank the batch size",
+    "loss": "as a step closes, before the last stage sends every rank the loss",
     "save": "half-way through a checkpoint save: every rank's file written, the directory not yet renamed",
     "resume": "during a resume, before loading its share of the checkpoint",
 }

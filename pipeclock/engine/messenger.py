@@ -47,6 +47,7 @@ from pipeclock.engine.actions import Action
 from pipeclock.engine.placement import Placement
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
+STEP = 3  # the batch size and the loss, once a step (``pipeclock.engine.step_ends``)
 _KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "structure header"}
 MAX_STAGES = 512
 MAX_MICROBATCHES = 65536

@@ -40,6 +40,7 @@ from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
+from pipeclock.engine.step_ends import GIVEN_NONE, NOT_HERE, REJECTED, StepEnds
 from pipeclock.engine.step_run import StageError, StepRun
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
@@ -137,6 +138,8 @@ class Pipeline:
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks, group)
         self.last_backward = self._last_backward_actions()
+        self.ends = StepEnds(self.rank, self.peers, self.first_rank, self.last_rank, self.device)
+        self._configuration_agreed = False
         _warn_about_batch_norm(self.global_rank, self.chunks)
         self.steps_done = 0  # keys dropout masks by step; set it when resuming a run
         self.first_sample = 0  # this replica's shard's place in the global batch
@@ -241,54 +244,73 @@ class Pipeline:
         return self._share_loss(run.loss)
 
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
-        """Share the batch size and check that every rank runs the same configuration.
+        """Share the batch size and check it, the same way on every rank, before any pipeline message.
 
-        Only the first stage sees the inputs and only the last the targets, so one small collective lets
-        every rank raise the same clear error for a bad batch, before any pipeline message is sent. It is
-        an all-reduce taking the maximum of each value and of its negation: every rank then knows the
-        first stage's batch, the last stage's, and whether all ranks agree (the largest value equals the
-        smallest). Only when they do not are the ranks' values gathered, to name them in the error. (An
-        all-gather of the same few numbers cost gloo three to four times the CPU of this all-reduce on
-        four ranks.)
+        Only the first stage sees the inputs and only the last the targets: the ranks holding the ends
+        send the sizes they were given to every rank (``pipeclock.engine.step_ends``), so that a bad batch
+        is one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
         """
-        first, last = self.rank == self.first_rank, self.rank == self.last_rank
-        agreed = [self.num_microbatches, len(self.chunks), self._fingerprint]
-        mine = [
-            *agreed,
-            _batch_size(inputs, "the inputs") if first else NOT_HERE,
-            _batch_size(targets, "the targets") if last else NOT_HERE,
-        ]
+        if not self._configuration_agreed:
+            self._agree_on_configuration()
+        mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
-        if self.num_stages == 1:
-            largest, smallest = mine, agreed
-        else:
-            both = torch.tensor(mine + [-value for value in agreed], dtype=torch.int64, device=self.device)
-            what = "agreeing on the batch and schedule"
-            reduced = comms.all_reduce(both, what, self.group, op=dist.ReduceOp.MAX).tolist()
-            largest, smallest = reduced[: len(mine)], [-value for value in reduced[len(mine) :]]
-        if largest[: len(agreed)] != smallest:
-            self._disagreement(mine)
-        batch, target_batch = largest[len(agreed)], largest[len(agreed) + 1]
-        if batch < 0:
-            raise ValueError(
-                f"rank {self.global_rank}: the first stage (rank {self.peers[self.first_rank]}) "
-                "was given no inputs tensor"
-            )
-        if target_batch < 0:
-            raise ValueError(
-                f"rank {self.global_rank}: the last stage (rank {self.peers[self.last_rank]}) "
-                "was given no targets"
-            )
-        if batch != target_batch:
-            raise ValueError(
-                f"rank {self.global_rank}: {batch} inputs but {target_batch} targets in the batch"
-            )
+        batch, target_batch = self.ends.batch_sizes(mine)
+        if rejection is not None:
+            raise ValueError(f"rank {self.global_rank}: {rejection}") from None
+        self._check_batch(batch, target_batch)
         try:
             sizes = microbatch_sizes(batch, self.num_microbatches)
         except ValueError as error:
             raise ValueError(f"rank {self.global_rank}: {error}") from None
         self.first_sample = self.replicas.first_sample(batch)
+        self.ends.expect_loss()
         return sizes
+
+    def _sizes_given(self, inputs, targets) -> tuple[list[int], ValueError | None]:
+        """The batch sizes of the ends this rank holds (``NOT_HERE`` for the others), and the error that
+        one of them raised: it is raised once every rank has heard of it."""
+        held = (self.rank == self.first_rank, self.rank == self.last_rank)
+        mine, rejection = [NOT_HERE, NOT_HERE], None
+        for index, tree, what in ((0, inputs, "the inputs"), (1, targets, "the targets")):
+            if held[index]:
+                try:
+                    mine[index] = _batch_size(tree, what)
+                except ValueError as error:
+                    mine[index], rejection = REJECTED, error
+        return mine, rejection
+
+    def _check_batch(self, batch: int, target_batch: int) -> None:
+        """Raise, on every rank alike, if the ends were given no batch, an unreadable one, or two sizes."""
+        ends = (
+            (batch, self.first_rank, "first", "inputs", "inputs tensor"),
+            (target_batch, self.last_rank, "last", "targets", "targets"),
+        )
+        for size, end, stage, given, none in ends:
+            where = f"rank {self.global_rank}: the {stage} stage (rank {self.peers[end]})"
+            if size == GIVEN_NONE:
+                raise ValueError(f"{where} was given no {none}")
+            if size == REJECTED:
+                raise ValueError(f"{where} could not read its {given} (its own error says why)")
+        if batch != target_batch:
+            raise ValueError(
+                f"rank {self.global_rank}: {batch} inputs but {target_batch} targets in the batch"
+            )
+
+    def _agree_on_configuration(self) -> None:
+        """Check once that every rank runs the same micro-batch count, chunks and schedule.
+
+        One all-reduce taking the maximum of each value and of its negation: every rank sees whether all
+        agree (the largest value equals the smallest). Only when they do not are the ranks' values
+        gathered, to name them in the error.
+        """
+        agreed = [self.num_microbatches, len(self.chunks), self._fingerprint]
+        if self.num_stages > 1:
+            both = torch.tensor(agreed + [-value for value in agreed], dtype=torch.int64, device=self.device)
+            what = "agreeing on the batch and schedule"
+            reduced = comms.all_reduce(both, what, self.group, op=dist.ReduceOp.MAX).tolist()
+            if reduced[: len(agreed)] != [-value for value in reduced[len(agreed) :]]:
+                self._disagreement(agreed)
+        self._configuration_agreed = True
 
     def _disagreement(self, mine: list[int]) -> None:
         """Some rank runs another configuration: every rank gathers them all and raises the same error."""
@@ -307,10 +329,7 @@ class Pipeline:
         if self.rank == self.last_rank:
             value = self.replicas.total(value, "summing the replicas' losses")
         faults.point("loss", self.steps_done)
-        if self.num_stages > 1:
-            last = self.peers[self.last_rank]
-            value = comms.broadcast(value, last, "sharing the loss", self.group)
-        return float(value)
+        return self.ends.share_loss(value)
 
     def global_total(self, local: int) -> int:
         """A count (samples or tokens) summed over the data-parallel replicas' shards of the batch."""
@@ -355,8 +374,5 @@ def _starts_in_place(module: nn.Module) -> bool:
     return bool(getattr(module, "inplace", False))
 
 
-NOT_HERE = -2  # a batch size from a rank that does not hold that end of the pipeline (-1: given None)
-
-
 def _batch_size(tree, what: str) -> int:
-    return -1 if tree is None else pytree.batch_size(tree, what)
+    return GIVEN_NONE if tree is None else pytree.batch_size(tree, what)

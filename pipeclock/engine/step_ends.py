@@ -1,0 +1,101 @@
+"""The two small exchanges around a step: the batch size before it, the loss after it.
+
+Only the first stage sees the inputs and only the last the targets, yet every rank needs the batch size
+(to cut it into micro-batches and post receives of the right size), and a bad batch must be one error
+raised alike on every rank before any pipeline message is sent. So when a step begins, the rank holding
+each end of the pipeline sends the batch size it was given straight to every other rank, and every rank
+checks the same numbers. When the step ends, the last stage sends the loss to every rank the same way.
+
+Point-to-point messages, not collectives, because of who waits. An all-reduce completes only when the
+last rank arrives, and the rank that opens a step is the one that finished the previous step last (its
+final backward closes the pipeline), so every step began with a ring's worth of latency on the critical
+path; the loss broadcast that closed the step added another. Here the first stage posts its sends and
+goes straight on to its first forward, while the others, who could only wait for its activation anyway,
+read the size; the loss's receives are posted when the step begins, so the loss is already there when a
+rank finishes its last backward. At one micro-batch per step, the two collectives cost ~10 % of a small
+model's step on four CPU ranks (``docs/benchmarks.md``).
+
+What cannot change between steps (the micro-batch count, the chunks, the schedule) is agreed once, with
+one all-reduce on the first step (``Pipeline._agree_on_configuration``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeclock import comms
+from pipeclock.engine.messenger import STEP, message_tag
+
+# Batch sizes that are not sizes. The ends' values are combined by taking the larger, so NOT_HERE is the
+# smallest; GIVEN_NONE (-1) and REJECTED are told apart from a size and from each other.
+NOT_HERE = -3  # from a rank that does not hold that end of the pipeline
+REJECTED = -2  # that end was given a batch it could not read (its own error says why)
+GIVEN_NONE = -1
+BATCH_TAG = message_tag(STEP, 0, 0, 0)
+LOSS_TAG = message_tag(STEP, 0, 0, 1)
+
+
+class StepEnds:
+    """This rank's side of the batch-size and loss messages of one pipeline.
+
+    ``rank`` and the ``*_rank`` are pipeline ranks; ``peers`` maps them to global ranks.
+    """
+
+    def __init__(self, rank: int, peers: list[int], first_rank: int, last_rank: int, device: torch.device):
+        self.rank, self.peers, self.device = rank, peers, device
+        self.first_rank, self.last_rank = first_rank, last_rank
+        self.ends = sorted({first_rank, last_rank})
+        self._sends: list[comms.PendingSend] = []
+        self._loss: comms.PendingRecv | None = None
+
+    def batch_sizes(self, mine: list[int]) -> tuple[int, int]:
+        """(the first stage's batch size, the last stage's), the same on every rank.
+
+        ``mine`` is this rank's [inputs' batch size, targets' batch size], ``NOT_HERE`` for an end it
+        does not hold. A size sent is waited for when the step ends (``share_loss``): by then every
+        rank has read it, so the sender never waits for a rank still busy with the previous step.
+        """
+        if len(self.peers) == 1:
+            return mine[0], mine[1]
+        values = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        if self.rank in self.ends:
+            self._send_to_others(values, BATCH_TAG, "sending the batch size")
+        received = [
+            comms.irecv((2,), self.peers[end], torch.int64, BATCH_TAG, "receiving the batch size")
+            for end in self.ends
+            if end != self.rank
+        ]
+        for pending in received:
+            values = torch.maximum(values, pending.wait())
+        batch, target_batch = values.tolist()
+        if REJECTED in (batch, target_batch):  # every rank is about to raise
+            self._wait_sends()
+        return batch, target_batch
+
+    def expect_loss(self) -> None:
+        """Post the receive of the loss now, so that it can arrive while the step runs."""
+        if self.rank != self.last_rank and len(self.peers) > 1:
+            last = self.peers[self.last_rank]
+            self._loss = comms.irecv((), last, torch.float64, LOSS_TAG, "receiving the loss")
+
+    def share_loss(self, value: torch.Tensor) -> float:
+        """The last stage's ``value`` (a float64 scalar) on every rank; ``expect_loss`` came first.
+
+        The loss's receives were posted when the step began, so the last stage's sends complete at once.
+        """
+        if self.rank == self.last_rank:
+            self._send_to_others(value, LOSS_TAG, "sending the loss")
+        elif self._loss is not None:
+            value, self._loss = self._loss.wait(), None
+        self._wait_sends()
+        return float(value)
+
+    def _send_to_others(self, value: torch.Tensor, tag: int, what: str) -> None:
+        for other, peer in enumerate(self.peers):
+            if other != self.rank:
+                self._sends.append(comms.isend(value, peer, tag, what))
+
+    def _wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for send in sends:
+            send.wait()
