@@ -49,7 +49,19 @@ def _bad_configurations(rank: int, world: int) -> dict[str, str]:
         "targets of another batch": lambda: schedule.Pipeline(stage, "gpipe", 2).step(x, y[:5]),
         "inputs of two batch sizes": lambda: schedule.Pipeline(stage, "gpipe", 2).step((x, x[:5]), y),
     }
-    return {name: _error_of(case) for name, case in cases.items()}
+    errors = {name: _error_of(case) for name, case in cases.items()}
+    errors["a good batch after rejected ones"] = _good_step_after_rejected_ones(stage, x, y)
+    return errors
+
+
+def _good_step_after_rejected_ones(stage: nn.Module, x: torch.Tensor, y: torch.Tensor) -> str:
+    """A pipeline that refused batches takes the next good one as if nothing had happened."""
+    used, fresh = schedule.Pipeline(stage, "1f1b", 2), schedule.Pipeline(stage, "1f1b", 2)
+    for bad in ((None, y), (x, y[:5]), ((x, x[:5]), y), (x[:1], y[:1])):
+        if _error_of(lambda bad=bad: used.step(*bad)) == "no error":
+            return f"accepted {bad!r}"
+    losses = (used.step(x, y), fresh.step(x, y))
+    return "equal" if losses[0] == losses[1] else f"losses {losses}"
 
 
 def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
@@ -80,6 +92,7 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
                 "ValueError: rank 1: the first stage (rank 0) could not read its inputs "
                 "(its own error says why)"
             )
+        assert outcome.value["a good batch after rejected ones"] == "equal"
         assert outcome.value["custom schedule that deadlocks"].startswith(
             "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"
         )

@@ -255,16 +255,23 @@ class Pipeline:
         mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
         batch, target_batch = self.ends.batch_sizes(mine)
-        if rejection is not None:
-            raise ValueError(f"rank {self.global_rank}: {rejection}") from None
-        self._check_batch(batch, target_batch)
         try:
-            sizes = microbatch_sizes(batch, self.num_microbatches)
-        except ValueError as error:
-            raise ValueError(f"rank {self.global_rank}: {error}") from None
+            if rejection is not None:
+                raise ValueError(f"rank {self.global_rank}: {rejection}")
+            self._check_batch(batch, target_batch)
+            sizes = self._microbatch_sizes(batch)
+        except ValueError:
+            self.ends.abandon_step()
+            raise
         self.first_sample = self.replicas.first_sample(batch)
         self.ends.expect_loss()
         return sizes
+
+    def _microbatch_sizes(self, batch: int) -> list[int]:
+        try:
+            return microbatch_sizes(batch, self.num_microbatches)
+        except ValueError as error:
+            raise ValueError(f"rank {self.global_rank}: {error}") from None
 
     def _sizes_given(self, inputs, targets) -> tuple[list[int], ValueError | None]:
         """The batch sizes of the ends this rank holds (``NOT_HERE`` for the others), and the error that

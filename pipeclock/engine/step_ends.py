@@ -68,9 +68,15 @@ class StepEnds:
         for pending in received:
             values = torch.maximum(values, pending.wait())
         batch, target_batch = values.tolist()
-        if REJECTED in (batch, target_batch):  # every rank is about to raise
-            self._wait_sends()
         return batch, target_batch
+
+    def abandon_step(self) -> None:
+        """The step will not run (every rank is raising): complete the sizes already sent.
+
+        A send dropped unwaited may be cancelled with its work object, and the rank it was for would
+        then wait for it until the timeout.
+        """
+        self.wait_sends()
 
     def expect_loss(self) -> None:
         """Post the receive of the loss now, so that it can arrive while the step runs."""
@@ -87,7 +93,7 @@ class StepEnds:
             self._send_to_others(value, LOSS_TAG, "sending the loss")
         elif self._loss is not None:
             value, self._loss = self._loss.wait(), None
-        self._wait_sends()
+        self.wait_sends()
         return float(value)
 
     def _send_to_others(self, value: torch.Tensor, tag: int, what: str) -> None:
@@ -95,7 +101,8 @@ class StepEnds:
             if other != self.rank:
                 self._sends.append(comms.isend(value, peer, tag, what))
 
-    def _wait_sends(self) -> None:
+    def wait_sends(self) -> None:
+        """Complete this rank's sends of the step."""
         sends, self._sends = self._sends, []
         for send in sends:
             send.wait()
