@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from pipeclock import comms, schedule
-from pipeclock.app.checkpoint import step_of
+from pipeclock.app.checkpoint_choice import step_of
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.engine.actions import parse_schedule
 from pipeclock.engine.csv_schedule import save_csv

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint, cli
+from pipeclock.app import checkpoint, checkpoint_choice, cli
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP
 from tests.distributed import run_ok, run_ranks
@@ -274,8 +274,8 @@ def test_a_rank_killed_while_saving_fails_its_peer_fast_and_the_previous_checkpo
     )
     directory = runs.tmp / "killed_save"
     assert (directory / "step_000010.partial").is_dir()
-    assert checkpoint.newest(directory) == directory / "step_000005"
-    loaded, _ = checkpoint.load_full_model(checkpoint.newest(directory))
+    assert checkpoint_choice.newest(directory) == directory / "step_000005"
+    loaded, _ = checkpoint.load_full_model(checkpoint_choice.newest(directory))
     uninterrupted, _ = checkpoint.load_full_model(runs.tmp / "reference" / "step_000005")
     assert all(torch.equal(loaded[key], uninterrupted[key]) for key in uninterrupted)
 
@@ -284,8 +284,8 @@ def test_a_rank_killed_while_saving_fails_its_peer_fast_and_the_previous_checkpo
 def test_a_partial_directory_never_wins_even_with_every_file_in_it(runs, tmp_path):
     shutil.copytree(runs.tmp / "reference" / "step_000010", tmp_path / "step_000010")
     shutil.copytree(runs.tmp / "reference" / "step_000020", tmp_path / "step_000030.partial")
-    assert checkpoint.newest(tmp_path) == tmp_path / "step_000010"
-    assert checkpoint.resolve(tmp_path) == tmp_path / "step_000010"
+    assert checkpoint_choice.newest(tmp_path) == tmp_path / "step_000010"
+    assert checkpoint_choice.resolve(tmp_path) == tmp_path / "step_000010"
 
 
 @pytest.mark.slow
@@ -437,11 +437,11 @@ def test_keep_last_keeps_the_newest_sound_checkpoints_and_never_a_partial_save(r
     (run / "step_000030.partial").mkdir()  # another run's save in progress
     _truncate(run / "step_000015" / "__1_0.distcp")  # damaged: it does not take one of the places
     newest = run / "step_000020"
-    assert checkpoint.prune(run, 2, newest) == [run / "step_000005"]
+    assert checkpoint_choice.prune(run, 2, newest) == [run / "step_000005"]
     assert sorted(p.name for p in run.iterdir()) == [
         "step_000010", "step_000015", "step_000020", "step_000030.partial"
     ]  # fmt: skip
-    assert checkpoint.prune(run, 1, newest) == [run / "step_000015", run / "step_000010"]
+    assert checkpoint_choice.prune(run, 1, newest) == [run / "step_000015", run / "step_000010"]
     assert sorted(p.name for p in run.iterdir()) == ["step_000020", "step_000030.partial"]
 
 

@@ -11,7 +11,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 
-from pipeclock.app import checkpoint, cli
+from pipeclock.app import checkpoint, checkpoint_choice, cli
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
@@ -64,8 +64,8 @@ def test_twenty_steps_on_three_stages_follow_the_one_process_loss_curve(three_st
 
 def test_a_gpt_checkpoint_exports_and_generates_on_one_process(three_stage_run, tmp_path):
     _, directory = three_stage_run
-    newest = checkpoint.newest(directory)
-    saved = checkpoint.read_run(newest)
+    newest = checkpoint_choice.newest(directory)
+    saved = checkpoint_choice.read_run(newest)
     assert saved["model"] == "GPT" and saved["stages"] == 3 and saved["gpt"]["layers"] == 4
     model, _ = checkpoint.load_model(newest)
     assert torch.equal(model.embed.wte.weight, model.head.lm_head.weight), "the tie is one tensor"

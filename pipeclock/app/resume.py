@@ -1,6 +1,6 @@
 """Resuming a run: which checkpoint it continues, and what it takes from there rather than from its flags.
 
-Which checkpoint (``checkpoint.choose``, every rank together):
+Which checkpoint (``checkpoint_choice.choose``, every rank together):
 
 - ``--resume`` alone: the newest sound checkpoint in ``--checkpoint-dir`` (none yet: a fresh start);
 - ``--resume DIR``: the newest sound checkpoint of the run in DIR;
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint
+from pipeclock.app import checkpoint_choice
 from pipeclock.models.registry import describe, same_model
 
 # The training settings a checkpoint records and a resumed run may change. The stage and replica counts
@@ -63,16 +63,16 @@ def target(config) -> Path:
     return Path(config.checkpoint_dir if config.resume is True else config.resume)
 
 
-def choose(config) -> checkpoint.Choice:
+def choose(config) -> checkpoint_choice.Choice:
     """The checkpoint to resume from, the same on every rank; a named path that is not there is an error."""
     where = target(config)
     try:
-        choice = checkpoint.choose(where)
-    except checkpoint.CheckpointError as error:
-        raise checkpoint.CheckpointError(f"rank {comms.get_rank()}: {error}") from None
+        choice = checkpoint_choice.choose(where)
+    except checkpoint_choice.CheckpointError as error:
+        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}") from None
     if choice.path is None and config.resume is not True:
         why = "it does not exist" if not where.exists() else "no complete step_NNNNNN directory in it"
-        raise checkpoint.CheckpointError(f"rank {comms.get_rank()}: no checkpoint in {where}: {why}")
+        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: no checkpoint in {where}: {why}")
     return choice
 
 
@@ -98,8 +98,9 @@ def check_no_newer(config, found: Path) -> None:
         return  # the directory's own newest sound checkpoint: nothing newer is sound
     newer = None
     if comms.get_rank() == 0:
-        sound = checkpoint.sound_checkpoints(directory)
-        newer = next((p.name for p in sound if checkpoint.step_of(p) > checkpoint.step_of(found)), None)
+        sound = checkpoint_choice.sound_checkpoints(directory)
+        step = checkpoint_choice.step_of(found)
+        newer = next((p.name for p in sound if checkpoint_choice.step_of(p) > step), None)
     newer = comms.all_gather_object(newer, f"looking for checkpoints newer than {found}")[0]
     if newer:
         raise ValueError(

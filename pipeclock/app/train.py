@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint, resume
+from pipeclock.app import checkpoint, checkpoint_choice, resume
 from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.memory_fit import check_fits
 from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
@@ -317,7 +317,7 @@ def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Positio
         return None
     for line in choice.skipped_lines():
         _say(line)
-    found, saved = choice.path, checkpoint.read_run(choice.path)
+    found, saved = choice.path, checkpoint_choice.read_run(choice.path)
     resume.check_same_model(found, saved, task.run_info())
     resume.check_no_newer(config, found)
     position = checkpoint.load(found, modules, optimizer)
@@ -347,7 +347,7 @@ def _save(config: TrainConfig, task, position: checkpoint.Position, modules, opt
     path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)
     _say(f"checkpoint saved: {path} (step {position.step})")
     if config.keep_last and comms.get_rank() == 0:
-        removed = checkpoint.prune(config.checkpoint_dir, config.keep_last, path)
+        removed = checkpoint_choice.prune(config.checkpoint_dir, config.keep_last, path)
         if removed:
             names = ", ".join(sorted(p.name for p in removed))
             _say(f"--keep-last {config.keep_last}: removed {names}")

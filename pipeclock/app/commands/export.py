@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from pipeclock.app import checkpoint
+from pipeclock.app import checkpoint, checkpoint_choice
 from pipeclock.models.registry import describe
 
 
@@ -34,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        choice = checkpoint.choose(args.directory, together=False)
+        choice = checkpoint_choice.choose(args.directory, together=False)
         if choice.path is None:
-            checkpoint.resolve(args.directory)  # the error saying why there is none
+            checkpoint_choice.resolve(args.directory)  # the error saying why there is none
         for line in choice.skipped_lines("exporting"):
             print(f"pipeclock export: {line}", file=sys.stderr, flush=True)
         path = choice.path

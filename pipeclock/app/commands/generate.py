@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeclock.app import checkpoint
+from pipeclock.app import checkpoint, checkpoint_choice
 from pipeclock.app.arguments import non_negative_float, non_negative_int
 from pipeclock.models.registry import describe
 from pipeclock.models.sampling import sample
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         _check(args)
-        path = checkpoint.resolve(args.directory)
+        path = checkpoint_choice.resolve(args.directory)
         model, run_info = checkpoint.load_model(path)
         if run_info.get("model") != "GPT":
             raise ValueError(f"{path} holds a {describe(run_info)}, not a GPT: nothing to generate text with")

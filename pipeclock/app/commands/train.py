@@ -32,7 +32,7 @@ from pipeclock.app.arguments import (
     positive_int,
     probability,
 )
-from pipeclock.app.checkpoint import CheckpointError
+from pipeclock.app.checkpoint_choice import CheckpointError
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.engine.generators import SCHEDULES
