@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     gradients = gradient_difference(args)
     if rank == 0:
         print("\n".join(comparison(reports, args.microbatches)))
-        print("(1F1B's B does the work of ZB-H1's I and W together)\n")
+        print("(a B does the work of an I and its W together; ZB-H1's rank 0 runs B's: see the page)\n")
         draw(reports, args)
         lesson(reports, args.microbatches, gradients)
     comms.shutdown()

@@ -67,7 +67,7 @@ class Layout:
 
 
 LAYOUTS = [
-    Layout("2 ranks", 2, 1, "zb-h1", dict(F=1, I=1, W=0, send=0, recv=1, gather=1, loss=0, save=0, resume=1)),
+    Layout("2 ranks", 2, 1, "zb-h1", dict(F=1, I=1, W=1, send=0, recv=1, gather=1, loss=0, save=0, resume=1)),
     Layout("4 ranks", 4, 1, "zb-h1", dict(F=2, I=1, W=2, send=1, recv=3, gather=3, loss=1, save=0, resume=2)),
     Layout("dp 2 x pp 2", 4, 2, "1f1b", dict(F=3, B=1, send=2, recv=3, gather=1, loss=2, save=0, resume=3)),
 ]
@@ -248,9 +248,10 @@ def test_the_page_shows_what_the_matrix_measured(matrix):
 
 
 def _timing_free(table: str) -> list[str]:
-    """A table with each survivor's message cut to its rank: on 4 ranks, what a survivor was doing when
-    it noticed (waiting for a gradient, or already for the loss) depends on how far it got, so
-    the page shows one run's words, and the test (which checks every message's form) compares the rest."""
+    """A table with each survivor's message cut to its rank: what a survivor was doing when it noticed
+    (waiting for a gradient, for the next step's batch size, or already for the loss) depends on how far
+    it got, so the page shows one run's words, and the test (which checks every message's form) compares
+    the rest."""
     return [re.sub(r"(rank \d+): [^|]*?(?=<br>| \|)", r"\1", line) for line in table.splitlines()]
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeclock.engine.actions import is_split, parse_schedule, validate
+from pipeclock.engine.actions import is_split, join_first_stage_backwards, parse_schedule, validate
 from pipeclock.engine.generators import (
     SCHEDULES,
     V_SCHEDULES,
@@ -183,6 +183,31 @@ def test_zb_h1_p3_m4_runs_w_of_j_after_i_of_j_plus_r():
             "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
         ]
     )
+
+
+def test_the_engine_runs_a_first_stage_i_and_the_w_right_after_it_as_one_b():
+    # Stage 0 sends no gradient, so nothing waits for its I: where its W comes next, they are one B.
+    # Rank 0 of ZB-H1 then runs what 1F1B runs; the later ranks keep their split.
+    joined = join_first_stage_backwards(zero_bubble_h1(3, 4))
+    assert joined == parse_schedule(
+        [
+            "F0 F1 F2 B0 F3 B1 B2 B3",
+            "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+            "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
+        ]
+    )
+    assert joined[0] == one_f_one_b(3, 4)[0]
+    validate(joined, 3, 4)
+
+
+def test_on_a_v_only_the_first_stages_backward_is_joined():
+    # Rank 0 holds stage 0 (chunk 0) and the last stage (chunk 1), whose I's gradient goes on to rank 1.
+    v = generate("zb-v", 2, 1, 2)
+    assert [str(a) for a in v[0]] == ["F0", "F0.1", "I0.1", "W0.1", "I0", "W0"]
+    joined = join_first_stage_backwards(v)
+    assert [str(a) for a in joined[0]] == ["F0", "F0.1", "I0.1", "W0.1", "B0"]
+    assert joined[1] == v[1] and joined.placement == v.placement
+    assert simulate(joined).makespan <= simulate(v).makespan
 
 
 def test_interleaved_p2_m4_two_chunks_follows_megatrons_rounds():

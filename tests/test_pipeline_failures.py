@@ -199,7 +199,8 @@ def _split_backward_with_inplace_relu(rank: int, world: int) -> tuple[str, str]:
 
 
 def test_a_split_backward_refuses_an_output_overwritten_in_place_and_says_why():
-    outcome = run_ranks(_split_backward_with_inplace_relu, 1, timeout=20, linger=False)[0]
-    kind, message = outcome.value
+    # Rank 1's I is split from its W (its gradient goes on to rank 0); rank 0's I and W run as one B.
+    outcomes = run_ranks(_split_backward_with_inplace_relu, 2, timeout=20, linger=False)
+    kind, message = outcomes[1].value
     assert kind == "StageError"
-    assert message.startswith("rank 0: I0 (virtual stage 0) failed: the output of Linear was modified")
+    assert message.startswith("rank 1: I0 (virtual stage 1) failed: the output of Linear was modified")

@@ -374,9 +374,8 @@ def build(
 
 def _build_block(block: Block, figures: Path) -> Outcome:
     outcome = Outcome(block)
-    for drawn, name in block.notes.figures:
-        for stale in (REPOSITORY / drawn, figures / name):
-            stale.unlink(missing_ok=True)
+    for drawn, _ in block.notes.figures:  # so that a figure the command no longer draws is noticed;
+        (REPOSITORY / drawn).unlink(missing_ok=True)  # the page's copy is replaced only by a good run
     ran = run_command(block.command)
     outcome.seconds = ran.seconds
     try:

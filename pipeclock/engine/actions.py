@@ -107,6 +107,33 @@ def is_split(schedule: list[list[Action]]) -> bool:
     return any(a.op == "W" for actions in schedule for a in actions)
 
 
+def join_first_stage_backwards(schedule: list[list[Action]]) -> Schedule:
+    """``schedule`` with each ``I`` of virtual stage 0 that its own ``W`` follows at once written as a ``B``.
+
+    A backward is split so that the previous stage gets its gradient before the weights' half is done.
+    Stage 0 has no previous stage: when its W comes next anyway, splitting only adds work (two passes
+    where one would do) and holds what W needs in between. In ZB-H1 every first-stage I is followed by its
+    W. The engine runs the joined table, and the planner counts memory on it.
+    """
+    placement = placement_of(schedule)
+    rows = []
+    for rank, actions in enumerate(schedule):
+        row: list[Action] = []
+        for action in actions:
+            joins = (
+                action.op == "W"
+                and placement.stage(rank, action.chunk) == 0
+                and bool(row)
+                and row[-1] == Action("I", action.microbatch, action.chunk)
+            )
+            if joins:
+                row[-1] = Action("B", action.microbatch, action.chunk)
+            else:
+                row.append(action)
+        rows.append(row)
+    return Schedule(rows, getattr(schedule, "placement", None))
+
+
 def gradient_ready(microbatch: int, chunk: int) -> Action:
     """The event "the gradient of this chunk's input exists": what a ``B`` or an ``I`` produces."""
     return Action("B", microbatch, chunk)

@@ -30,7 +30,7 @@ from torch import nn
 
 from pipeclock import comms
 from pipeclock.engine import faults, pytree
-from pipeclock.engine.actions import Action, Schedule, placement_of, validate
+from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of, validate
 from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.losses import LossFn
@@ -177,7 +177,7 @@ class Pipeline:
             raise ValueError(f"rank {self.global_rank}: {error}") from None
         if not isinstance(schedule, str):
             simulate(table)  # a custom schedule must be able to finish: DeadlockError if not
-        return table
+        return join_first_stage_backwards(table)
 
     def _check_placement(self, table: list[list[Action]]) -> None:
         held = len(self.placement.stages[self.rank]) if self.rank < self.placement.num_ranks else 0

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from pipeclock.engine.actions import Action, Schedule, placement_of
+from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
 from pipeclock.observe.profile import LayerCost
 
 FP32_BYTES = 4  # a weight, and its gradient, in fp32
@@ -217,6 +217,7 @@ def rank_memory(
     ``runtime`` is what the engine holds on each rank whatever the model (its Python objects, the
     communication library's buffers, the allocator's own), given or measured with a tiny model."""
     placement = placement_of(table)
+    table = join_first_stage_backwards(table)  # as the engine runs it
     stages = [stage_bytes([layers[i] for i in part], training) for part in cut]
     scale = activation_scale(layers, training)
     result = []
