@@ -153,6 +153,12 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def matches_by_tag() -> bool:
+    """Whether a receive takes the send with its tag (gloo), not the next send between the two ranks
+    over the same communicator (nccl ignores tags: a receive must then be posted in the order sent)."""
+    return not dist.is_initialized() or dist.get_backend() != "nccl"
+
+
 def _create_channel_groups() -> None:
     """On nccl, one communicator per directed neighbour pair.
 

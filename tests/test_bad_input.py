@@ -98,6 +98,7 @@ PIPELINE_CASES = [
     Case("no inputs on the first stage", ("first stage", "no inputs")),
     Case("targets of another batch than the inputs", ("6 inputs but 5 targets",)),
     Case("inputs whose tensors disagree on the batch size", ("leaves of the inputs disagree",), reporter=0),
+    Case("inputs given as a list of numbers, not tensors", ("must be a tensor", "holds a float"), reporter=0),
 ]
 PIPELINE_KEYS = [
     "zero micro-batches",
@@ -109,6 +110,7 @@ PIPELINE_KEYS = [
     "no inputs on the first stage",
     "targets of another batch",
     "inputs of two batch sizes",
+    "inputs that are not tensors",
 ]
 
 # --- ranks that never come: one ``pipeclock train`` process, alone, as a user would see it -------------

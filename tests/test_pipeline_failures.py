@@ -48,6 +48,7 @@ def _bad_configurations(rank: int, world: int) -> dict[str, str]:
         "no inputs on the first stage": lambda: schedule.Pipeline(stage, "gpipe", 2).step(None, y),
         "targets of another batch": lambda: schedule.Pipeline(stage, "gpipe", 2).step(x, y[:5]),
         "inputs of two batch sizes": lambda: schedule.Pipeline(stage, "gpipe", 2).step((x, x[:5]), y),
+        "inputs that are not tensors": lambda: schedule.Pipeline(stage, "gpipe", 2).step(x.tolist(), y),
     }
     errors = {name: _error_of(case) for name, case in cases.items()}
     errors["a good batch after rejected ones"] = _good_step_after_rejected_ones(stage, x, y)
@@ -84,14 +85,16 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
     for outcome in outcomes:
         for name, message in expected.items():
             assert outcome.value[name] == message.format(r=outcome.rank), name
-        unreadable = outcome.value["inputs of two batch sizes"]
+        unreadable = outcome.value["inputs of two batch sizes"], outcome.value["inputs that are not tensors"]
         if outcome.rank == 0:  # the rank given them says what is wrong; the others, where to look
-            assert unreadable.startswith("ValueError: rank 0: the leaves of the inputs disagree on the batch")
-        else:
-            assert unreadable == (
-                "ValueError: rank 1: the first stage (rank 0) could not read its inputs "
-                "(its own error says why)"
+            assert unreadable[0].startswith("ValueError: rank 0: the leaves of the inputs disagree on")
+            assert unreadable[1] == (
+                "ValueError: rank 0: the inputs must be a tensor, or a tuple, list or dict of tensors; "
+                "it holds a float"
             )
+        else:
+            told = "the first stage (rank 0) could not read its inputs (its own error says why)"
+            assert set(unreadable) == {f"ValueError: rank 1: {told}"}
         assert outcome.value["a good batch after rejected ones"] == "equal"
         assert outcome.value["custom schedule that deadlocks"].startswith(
             "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from pipeclock.app.train import TrainConfig, schedule_table
 from pipeclock.engine.generators import one_f_one_b
 from pipeclock.engine.orchestrator import StepRecord
 from pipeclock.observe.metrics import RankRun, RunReport
@@ -77,3 +78,12 @@ def test_the_summary_and_the_picture_quote_the_same_median_step():
     assert abs(1 - sum(busy) / 2 - step.timeline.bubble_share) < 0.001, (
         "the ranks' busy shares are that step's"
     )
+
+
+def test_a_prediction_simulates_the_actions_the_engine_ran():
+    # On one process every ZB-H1 backward is a first-stage I with its W right after: the engine runs B's,
+    # so the prediction must too (simulating I and W would price them at the unmeasured default, 1 s).
+    alone = schedule_table(TrainConfig(schedule="zb-h1", microbatches=4), 1)
+    assert [str(a) for a in alone[0]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    two = schedule_table(TrainConfig(schedule="zb-h1", microbatches=4), 2)
+    assert {a.op for a in two[0]} == {"F", "B"} and {a.op for a in two[1]} == {"F", "I", "W"}

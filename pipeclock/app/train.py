@@ -32,7 +32,7 @@ from pipeclock.app.memory_fit import check_fits
 from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
 from pipeclock.app.tasks import make_task
 from pipeclock.engine import faults
-from pipeclock.engine.actions import Schedule, num_chunks, placement_of
+from pipeclock.engine.actions import Schedule, join_first_stage_backwards, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
@@ -360,8 +360,8 @@ def _say(message: str) -> None:
 
 
 def schedule_table(config: TrainConfig, world: int) -> Schedule:
-    """The whole pipeline's action lists (for the predicted timeline)."""
-    return config.table(world)
+    """The whole pipeline's action lists as the engine runs them (for the predicted timeline)."""
+    return join_first_stage_backwards(config.table(world))
 
 
 class Progress:

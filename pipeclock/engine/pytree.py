@@ -72,7 +72,12 @@ def describe(tree: Tree) -> str:
 
 def batch_size(tree: Tree, what: str) -> int:
     """The size of dimension 0, which every leaf must share."""
-    sizes = {leaf.shape[0] if leaf.dim() else 0 for leaf in leaves(tree)}
+    found = leaves(tree)
+    strangers = sorted({type(leaf).__name__ for leaf in found if not isinstance(leaf, torch.Tensor)})
+    if strangers or not found:
+        held = f"holds a {', a '.join(strangers)}" if strangers else "holds no tensor"
+        raise ValueError(f"{what} must be a tensor, or a tuple, list or dict of tensors; it {held}")
+    sizes = {leaf.shape[0] if leaf.dim() else 0 for leaf in found}
     if len(sizes) != 1:
         raise ValueError(f"the leaves of {what} disagree on the batch size (dimension 0): {describe(tree)}")
     return sizes.pop()

@@ -79,19 +79,29 @@ class StepEnds:
         self.wait_sends()
 
     def expect_loss(self) -> None:
-        """Post the receive of the loss now, so that it can arrive while the step runs."""
-        if self.rank != self.last_rank and len(self.peers) > 1:
+        """Post the receive of the loss now, so that it can arrive while the step runs.
+
+        Only where receives are matched by tag: on nccl the loss, sent last, must be received after the
+        step's other messages from the last stage (gradients; on a V, activations).
+        """
+        if comms.matches_by_tag():
+            self._post_loss()
+
+    def _post_loss(self) -> None:
+        if self.rank != self.last_rank and len(self.peers) > 1 and self._loss is None:
             last = self.peers[self.last_rank]
             self._loss = comms.irecv((), last, torch.float64, LOSS_TAG, "receiving the loss")
 
     def share_loss(self, value: torch.Tensor) -> float:
         """The last stage's ``value`` (a float64 scalar) on every rank; ``expect_loss`` came first.
 
-        The loss's receives were posted when the step began, so the last stage's sends complete at once.
+        On gloo the loss's receives were posted when the step began, so the last stage's sends complete
+        at once.
         """
         if self.rank == self.last_rank:
             self._send_to_others(value, LOSS_TAG, "sending the loss")
-        elif self._loss is not None:
+        elif len(self.peers) > 1:
+            self._post_loss()  # posted already, unless receives are matched in order
             value, self._loss = self._loss.wait(), None
         self.wait_sends()
         return float(value)

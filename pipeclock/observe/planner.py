@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipeclock.engine.actions import Action, Schedule, placement_of
+from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
 from pipeclock.observe.profile import LayerCost
@@ -116,7 +116,8 @@ def step_time(
     def cost(rank: int, action: Action) -> float:
         return per_stage[placement.stage(rank, action.chunk)][action.op] + action_overhead
 
-    return simulate(table, cost, comm_latency=comm_latency)
+    as_run = join_first_stage_backwards(table)  # what the engine runs: a first-stage I and W as one B
+    return simulate(as_run, cost, comm_latency=comm_latency)
 
 
 def _stage_times(layers: Sequence[LayerCost], training: Training) -> dict[str, float]:
