@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeclock import comms, schedule
+from pipeclock import comms, parallel, schedule
 from pipeclock.engine.actions import parse_schedule
 from pipeclock.engine.orchestrator import StageError
 from pipeclock.model import ShardedMLP
@@ -99,6 +99,22 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
         assert outcome.value["custom schedule that deadlocks"].startswith(
             "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"
         )
+
+
+def _one_replica_refuses_its_batch(rank: int, world: int) -> str:
+    mesh = parallel.init_mesh(2)  # dp 2 x pp 1: rank 0 and rank 1 are replicas of a one-stage pipeline
+    replicas = parallel.data_parallel([ShardedMLP(4, 4, 0, 1)], mesh, "ddp")
+    pipe = schedule.Pipeline(replicas.chunks, "gpipe", 2, group=mesh.get_group("pp"), replicas=replicas)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    return _error_of(lambda: pipe.step(None if rank == 0 else x, y))
+
+
+def test_a_batch_one_replica_refuses_is_an_error_on_every_replica_not_a_wait():
+    first, second = (o.value for o in run_ranks(_one_replica_refuses_its_batch, 2, timeout=10))
+    assert first == "ValueError: rank 0: the first stage (rank 0) was given no inputs tensor"
+    assert second == (
+        "ValueError: rank 1: data-parallel replica 0 refused its batch (its ranks' own errors say why)"
+    )
 
 
 class _DiesOnThirdForward(nn.Module):

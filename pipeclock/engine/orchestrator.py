@@ -262,6 +262,7 @@ class Pipeline:
             sizes = self._microbatch_sizes(batch)
         except ValueError:
             self.ends.abandon_step()
+            self.replicas.refuse_batch()
             raise
         self.first_sample = self.replicas.first_sample(batch)
         self.ends.expect_loss()

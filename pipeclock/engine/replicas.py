@@ -50,7 +50,11 @@ class Replicas(Protocol):
         """Where this replica's shard starts in the global batch (shards are contiguous, in dp order).
 
         Dropout masks are keyed by a sample's place in the global batch, so they do not depend on dp.
+        Raises ``ValueError`` when another replica refused its batch (``refuse_batch``).
         """
+
+    def refuse_batch(self) -> None:
+        """This replica's batch was refused: tell the others, who are waiting in ``first_sample``."""
 
 
 class SinglePipeline:
@@ -81,3 +85,6 @@ class SinglePipeline:
 
     def first_sample(self, batch_size: int) -> int:
         return 0
+
+    def refuse_batch(self) -> None:
+        pass

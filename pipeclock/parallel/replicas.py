@@ -37,6 +37,7 @@ from pipeclock.engine.replicas import SinglePipeline
 from pipeclock.engine.ties import tie, tie_key
 
 DATA_PARALLEL = ("fsdp", "ddp")
+_REFUSED = -1  # a replica's shard size when its batch was refused: the others raise too
 
 
 class _Replicas(SinglePipeline):
@@ -67,7 +68,17 @@ class _Replicas(SinglePipeline):
         sizes = torch.zeros(self.size, dtype=torch.int64, device=comms.device())
         sizes[index] = batch_size
         comms.all_reduce(sizes, "agreeing on the replicas' shards of the batch", self.group)
+        refused = [str(replica) for replica, size in enumerate(sizes.tolist()) if size == _REFUSED]
+        if refused and batch_size != _REFUSED:
+            raise ValueError(
+                f"rank {comms.get_rank()}: data-parallel replica {', '.join(refused)} refused its batch "
+                "(its ranks' own errors say why)"
+            )
         return int(sizes[:index].sum())
+
+    def refuse_batch(self) -> None:
+        if self.size > 1:
+            self.first_sample(_REFUSED)
 
 
 class FullyShardedReplicas(_Replicas):
