@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeclock import comm_errors
+from pipeclock import comm_channels, comm_errors
 
 # The failure vocabulary lives in comm_errors; callers know it as comms.CommError, comms.PeerGoneError, ...
 from pipeclock.comm_errors import CommError as CommError
@@ -54,11 +54,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 
 _timeout: float = 60.0
-_channel_groups: dict[tuple[int, int], dist.ProcessGroup] = {}
 # Looked up once per process, not once per message: the hot path sends thousands of messages a second.
 _rank: int | None = None
 _device: torch.device | None = None
-_routes: dict[tuple[str, int], tuple[dist.ProcessGroup, int]] = {}  # ("to" | "from", peer) -> (group, rank)
 
 
 # --- joining and leaving -----------------------------------------------------------------------------
@@ -88,8 +86,8 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
     if backend != "nccl":
         torch.set_num_threads(threads_per_process())
-    if backend == "nccl":
-        _create_channel_groups()
+    if backend == "nccl":  # one communicator per directed neighbour pair (pipeclock.comm_channels)
+        comm_channels.add_channels([list(range(dist.get_world_size()))])
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -121,8 +119,7 @@ def _not_joined(error: dist.DistError, timeout: float) -> CommTimeoutError:
 def shutdown() -> None:
     """Leave the process group (safe to call twice, or without ``init``)."""
     global _rank, _device
-    _channel_groups.clear()
-    _routes.clear()
+    comm_channels.forget()
     _rank = _device = None
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -151,38 +148,6 @@ def timeout() -> float:
 
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def matches_by_tag() -> bool:
-    """Whether a receive takes the send with its tag (gloo), not the next send between the two ranks
-    over the same communicator (nccl ignores tags: a receive must then be posted in the order sent)."""
-    return not dist.is_initialized() or dist.get_backend() != "nccl"
-
-
-def _create_channel_groups() -> None:
-    """On nccl, one communicator per directed neighbour pair.
-
-    NCCL runs the operations of one communicator in order on one stream, so a send to a peer queued
-    before a receive from the same peer can block it. Separate communicators for "a to b" and "b to a"
-    keep activations and gradients from waiting on each other. Every rank must create every group.
-    """
-    add_channels([list(range(dist.get_world_size()))])
-
-
-def add_channels(pipelines: list[list[int]]) -> None:
-    """On nccl, the directed channels between neighbours (in a ring) of each pipeline's global ranks.
-
-    ``init`` makes them for one pipeline over the whole world; a mesh of several pipelines adds its own.
-    Every rank calls this with the same list (``new_group`` is collective); gloo needs no channels.
-    """
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
-        return
-    for ranks in pipelines:
-        for i, src in enumerate(ranks):
-            for dst in sorted({ranks[(i + 1) % len(ranks)], ranks[i - 1]} - {src}):
-                if (src, dst) not in _channel_groups:
-                    _channel_groups[(src, dst)] = dist.new_group([src, dst])
-    _routes.clear()
 
 
 # --- topology ----------------------------------------------------------------------------------------
@@ -322,7 +287,7 @@ def _posted(
 def isend(tensor: torch.Tensor, dest: int, tag: int = 0, what: str | None = None) -> PendingSend:
     """Start sending ``tensor`` to ``dest``; the receiver must post a matching ``irecv`` (same tag)."""
     tensor = tensor.detach().contiguous()
-    group, peer = _route("to", dest)
+    group, peer = comm_channels.route(get_rank(), "to", dest)
     work = _posted(lambda: group.send([tensor], peer, tag), what, "sending", tensor.shape, "to", dest)
     return PendingSend(work, tensor, dest, what)
 
@@ -336,24 +301,9 @@ def irecv(
 ) -> PendingRecv:
     """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
     tensor = torch.empty(shape, dtype=dtype, device=device())
-    group, peer = _route("from", src)
+    group, peer = comm_channels.route(get_rank(), "from", src)
     work = _posted(lambda: group.recv([tensor], peer, tag), what, "receiving", tensor.shape, "from", src)
     return PendingRecv(work, tensor, src, what)
-
-
-def _route(direction: str, peer: int) -> tuple[dist.ProcessGroup, int]:
-    """The process group that carries messages ``"to"`` or ``"from"`` ``peer``, and ``peer``'s rank in it.
-
-    This is what ``dist.isend``/``dist.irecv`` work out on every call; here it is worked out once per
-    channel, and the group's ``send``/``recv`` are called directly.
-    """
-    key = (direction, peer)
-    if key not in _routes:
-        me = get_rank()
-        channel = (me, peer) if direction == "to" else (peer, me)
-        group = _channel_groups.get(channel) or dist.group.WORLD
-        _routes[key] = (group, dist.get_group_rank(group, peer))
-    return _routes[key]
 
 
 # --- headers: telling a receiver what is coming -------------------------------------------------------

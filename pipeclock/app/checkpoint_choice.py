@@ -61,10 +61,14 @@ def resolve(path: str | os.PathLike) -> Path:
     """``choose(path)`` for one process: the checkpoint ``path`` names, or its run's newest sound one."""
     found = choose(path, together=False).path
     if found is None:
-        path = Path(path)
-        why = "it does not exist" if not path.exists() else "no complete step_NNNNNN directory in it"
-        raise CheckpointError(f"no checkpoint in {path}: {why}")
+        raise none_in(Path(path))
     return found
+
+
+def none_in(path: Path) -> CheckpointError:
+    """The error for a path that holds no checkpoint, saying why."""
+    why = "it does not exist" if not path.exists() else "no complete step_NNNNNN directory in it"
+    return CheckpointError(f"no checkpoint in {path}: {why}")
 
 
 def _is_complete(path: Path) -> bool:

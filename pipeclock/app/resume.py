@@ -71,8 +71,8 @@ def choose(config) -> checkpoint_choice.Choice:
     except checkpoint_choice.CheckpointError as error:
         raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}") from None
     if choice.path is None and config.resume is not True:
-        why = "it does not exist" if not where.exists() else "no complete step_NNNNNN directory in it"
-        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: no checkpoint in {where}: {why}")
+        error = checkpoint_choice.none_in(where)
+        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}")
     return choice
 
 

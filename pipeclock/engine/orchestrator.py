@@ -260,8 +260,8 @@ class Pipeline:
                 raise ValueError(f"rank {self.global_rank}: {rejection}")
             self._check_batch(batch, target_batch)
             sizes = self._microbatch_sizes(batch)
-        except ValueError:
-            self.ends.abandon_step()
+        except ValueError:  # every rank of the pipeline raises: complete what was sent, tell the replicas
+            self.ends.wait_sends()
             self.replicas.refuse_batch()
             raise
         self.first_sample = self.replicas.first_sample(batch)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeclock import comms
+from pipeclock import comm_channels, comms
 from pipeclock.engine.messenger import STEP, message_tag
 
 # Batch sizes that are not sizes. The ends' values are combined by taking the larger, so NOT_HERE is the
@@ -70,21 +70,13 @@ class StepEnds:
         batch, target_batch = values.tolist()
         return batch, target_batch
 
-    def abandon_step(self) -> None:
-        """The step will not run (every rank is raising): complete the sizes already sent.
-
-        A send dropped unwaited may be cancelled with its work object, and the rank it was for would
-        then wait for it until the timeout.
-        """
-        self.wait_sends()
-
     def expect_loss(self) -> None:
         """Post the receive of the loss now, so that it can arrive while the step runs.
 
         Only where receives are matched by tag: on nccl the loss, sent last, must be received after the
         step's other messages from the last stage (gradients; on a V, activations).
         """
-        if comms.matches_by_tag():
+        if comm_channels.matches_by_tag():
             self._post_loss()
 
     def _post_loss(self) -> None:
@@ -112,7 +104,11 @@ class StepEnds:
                 self._sends.append(comms.isend(value, peer, tag, what))
 
     def wait_sends(self) -> None:
-        """Complete this rank's sends of the step."""
+        """Complete this rank's sends of the step: when it ends, or when it is refused before it runs.
+
+        A send dropped unwaited may be cancelled with its work object, and the rank it was for would then
+        wait for it until the timeout.
+        """
         sends, self._sends = self._sends, []
         for send in sends:
             send.wait()

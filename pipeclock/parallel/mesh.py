@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeclock import comms
+from pipeclock import comm_channels, comms
 
 
 def init_mesh(dp: int = 1) -> DeviceMesh:
@@ -23,7 +23,7 @@ def init_mesh(dp: int = 1) -> DeviceMesh:
         )
     pp = world // dp
     mesh = init_device_mesh(comms.device().type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    comms.add_channels([[d * pp + s for s in range(pp)] for d in range(dp)])
+    comm_channels.add_channels([[d * pp + s for s in range(pp)] for d in range(dp)])
     return mesh
 
 
