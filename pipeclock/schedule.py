@@ -28,13 +28,14 @@ from pipeclock.engine.generators import (
 )
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.microbatch import microbatch_sizes, split_microbatches
-from pipeclock.engine.orchestrator import Pipeline, StepRecord
+from pipeclock.engine.orchestrator import BatchRefused, Pipeline, StepRecord
 from pipeclock.engine.placement import Placement
 from pipeclock.engine.v_schedules import dualpipev, zb_v
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "BatchRefused",
     "Pipeline",
     "Placement",
     "Schedule",

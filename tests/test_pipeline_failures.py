@@ -1,8 +1,8 @@
 """Fail loud, never hang: bad configurations, dead peers, hung peers and broken stages.
 
-Every case runs on real gloo processes. A configuration error is the same ``ValueError`` on every rank,
-raised before any pipeline message; a peer that dies or hangs makes the others fail within the timeout
-with a message that names the ranks.
+Every case runs on real gloo processes. A configuration error is the same ``ValueError`` on every rank
+(a batch that cannot run: ``BatchRefused``), raised before any pipeline message; a peer that dies or
+hangs makes the others fail within the timeout with a message that names the ranks.
 """
 
 from __future__ import annotations
@@ -74,31 +74,55 @@ def test_bad_configurations_fail_on_every_rank_with_one_clear_message():
         "naive, gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipev",
         "chunks the schedule cannot use": "ValueError: rank {r}: schedule '1f1b' has one chunk per rank; "
         "cannot use chunks=2",
-        "batch smaller than m": "ValueError: rank {r}: a batch of 6 samples cannot be split into 8 "
+        "batch smaller than m": "BatchRefused: rank {r}: a batch of 6 samples cannot be split into 8 "
         "micro-batches (each needs at least one sample)",
         "ranks disagree on m": "ValueError: rank {r}: ranks disagree on micro-batches, chunks or schedule "
         "(rank 0: m=2, chunks=1; rank 1: m=3, chunks=1)",
-        "no inputs on the first stage": "ValueError: rank {r}: the first stage (rank 0) was given no "
+        "no inputs on the first stage": "BatchRefused: rank {r}: the first stage (rank 0) was given no "
         "inputs tensor",
-        "targets of another batch": "ValueError: rank {r}: 6 inputs but 5 targets in the batch",
+        "targets of another batch": "BatchRefused: rank {r}: 6 inputs but 5 targets in the batch",
     }
     for outcome in outcomes:
         for name, message in expected.items():
             assert outcome.value[name] == message.format(r=outcome.rank), name
         unreadable = outcome.value["inputs of two batch sizes"], outcome.value["inputs that are not tensors"]
         if outcome.rank == 0:  # the rank given them says what is wrong; the others, where to look
-            assert unreadable[0].startswith("ValueError: rank 0: the leaves of the inputs disagree on")
+            assert unreadable[0].startswith("BatchRefused: rank 0: the leaves of the inputs disagree on")
             assert unreadable[1] == (
-                "ValueError: rank 0: the inputs must be a tensor, or a tuple, list or dict of tensors; "
+                "BatchRefused: rank 0: the inputs must be a tensor, or a tuple, list or dict of tensors; "
                 "it holds a float"
             )
         else:
             told = "the first stage (rank 0) could not read its inputs (its own error says why)"
-            assert set(unreadable) == {f"ValueError: rank 1: {told}"}
+            assert set(unreadable) == {f"BatchRefused: rank 1: {told}"}
         assert outcome.value["a good batch after rejected ones"] == "equal"
         assert outcome.value["custom schedule that deadlocks"].startswith(
             "DeadlockError: the schedule deadlocks; no rank can move:\n  rank 0: stuck at B0"
         )
+
+
+def _what_happens_in_order(rank: int, world: int) -> dict[str, object]:
+    stage = ShardedMLP(4, 4, rank, world)
+    pipe, events = schedule.Pipeline(stage, "gpipe", 2), []
+    stage.register_forward_pre_hook(lambda *_: events.append("forward"))
+    read, send = pipe.ends.batch_sizes, pipe.messenger._send
+    pipe.ends.batch_sizes = lambda: events.append("sizes read") or read()
+    pipe.messenger._send = lambda key, pending: events.append("message") or send(key, pending)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    pipe.step(x, y)
+    good = events[:3]
+    events.clear()
+    error = _error_of(lambda: pipe.step(x, y[:5]))
+    return {"good": good, "refused": events, "error": error}
+
+
+def test_the_first_stage_computes_while_the_batch_size_travels_and_checks_it_before_any_message():
+    first, last = (o.value for o in run_ranks(_what_happens_in_order, 2, timeout=10))
+    assert first["good"] == ["forward", "sizes read", "message"]
+    assert last["good"] == ["sizes read", "forward", "forward"]  # the last stage sends nothing forward
+    assert first["refused"] == ["forward", "sizes read"] and last["refused"] == ["sizes read"]
+    for rank, outcome in enumerate((first, last)):
+        assert outcome["error"] == f"BatchRefused: rank {rank}: 6 inputs but 5 targets in the batch"
 
 
 def _one_replica_refuses_its_batch(rank: int, world: int) -> str:
@@ -111,9 +135,9 @@ def _one_replica_refuses_its_batch(rank: int, world: int) -> str:
 
 def test_a_batch_one_replica_refuses_is_an_error_on_every_replica_not_a_wait():
     first, second = (o.value for o in run_ranks(_one_replica_refuses_its_batch, 2, timeout=10))
-    assert first == "ValueError: rank 0: the first stage (rank 0) was given no inputs tensor"
+    assert first == "BatchRefused: rank 0: the first stage (rank 0) was given no inputs tensor"
     assert second == (
-        "ValueError: rank 1: data-parallel replica 0 refused its batch (its ranks' own errors say why)"
+        "BatchRefused: rank 1: data-parallel replica 0 refused its batch (its ranks' own errors say why)"
     )
 
 

@@ -71,6 +71,21 @@ def test_a_wide_stage_splits_only_micro_batches_small_next_to_its_weights():
         assert in_place_saves_enough(captured) == splits, rows
 
 
+def test_a_forward_whose_backward_runs_whole_captures_nothing_once_its_shape_is_known():
+    """Holding every layer's output through a forward, only to drop it after, cost fresh memory (page
+    faults) on every step: only the first forward of a shape captures, to decide."""
+    for rows, splits in ((WIDE // 2, False), (WIDE // 8, True)):
+        pipe = schedule.Pipeline(ShardedMLP(WIDE, 4), "gpipe", 2)
+        outputs, entered = pipe.parameter_outputs, []
+        capture = outputs.capture
+        outputs.capture = lambda entered=entered, capture=capture: entered.append(1) or capture()
+        batch = torch.randn(2 * rows, WIDE)
+        for _ in range(3):
+            pipe.step(batch, batch)
+        assert list(outputs.split_pays_for.values()) == [splits]
+        assert len(entered) == (6 if splits else 1), rows
+
+
 def microbatch_counts(p: int) -> list[int]:
     return sorted({1, 2, 3, p, 2 * p + 1})
 

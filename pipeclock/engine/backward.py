@@ -138,6 +138,9 @@ class ParameterOutputs:
         self.split_pays = in_place_pays(owners)  # a backward W follows at once is better split
         self.defers_weights = defers_weights
         self.hooked = defers_weights or self.split_pays
+        # forward input shapes -> whether a backward that W follows at once is split for them
+        # (``in_place_saves_enough`` on their first forward); forwards that will not split capture nothing
+        self.split_pays_for: dict[tuple, bool] = {}
         if self.hooked:
             for module in owners:
                 module.register_forward_hook(self._hook)

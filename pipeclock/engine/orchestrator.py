@@ -41,12 +41,12 @@ from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
 from pipeclock.engine.step_ends import GIVEN_NONE, NOT_HERE, REJECTED, StepEnds
-from pipeclock.engine.step_run import StageError, StepRun
+from pipeclock.engine.step_run import BatchRefused, StageError, StepRun
 from pipeclock.engine.ties import TiedGradients
 from pipeclock.observe.simulate import simulate
 from pipeclock.observe.timeline import Span
 
-__all__ = ["Pipeline", "StageError", "StepRecord"]
+__all__ = ["BatchRefused", "Pipeline", "StageError", "StepRecord"]
 
 
 @dataclass
@@ -210,7 +210,6 @@ class Pipeline:
         """
         start = time.perf_counter()
         sizes = self._agree_on_batch(inputs, targets)
-        self.ties.prepare()
         self.replicas.begin_step()
         run = StepRun(self, sizes, inputs, targets)
         with self.precision.step_region(self.device):
@@ -229,7 +228,6 @@ class Pipeline:
         return to their own mode after.
         """
         sizes = self._agree_on_batch(inputs, targets)
-        self.ties.prepare()
         modes = [chunk.training for chunk in self.chunks]
         run = StepRun(self, sizes, inputs, targets, training=False)
         try:
@@ -249,22 +247,47 @@ class Pipeline:
         Only the first stage sees the inputs and only the last the targets: the ranks holding the ends
         send the sizes they were given to every rank (``pipeclock.engine.step_ends``), so that a bad batch
         is one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
+
+        The first stage, given a batch it can cut, does not wait for the last stage's size: it runs its
+        first forward while that message travels, and checks the sizes before its first message leaves
+        (``Messenger.open_after``). Every other rank has nothing to do before a message comes anyway.
         """
         if not self._configuration_agreed:
             self._agree_on_configuration()
+        self.ties.prepare()  # collective on the first step: before a first stage may run ahead
         mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
-        batch, target_batch = self.ends.batch_sizes(mine)
+        self.ends.send_batch_sizes(mine)
+        if rejection is None and self._may_check_later(mine[0]):
+            self.messenger.open_after(self._confirm_batch)
+            return microbatch_sizes(mine[0], self.num_microbatches)
+        return self._confirm_batch(rejection)
+
+    def _may_check_later(self, batch: int) -> bool:
+        """True on the first stage of a pipeline of several ranks, without replicas, given a batch it
+        can cut (any other batch is refused at once, as on every rank)."""
+        first_only = self.rank == self.first_rank != self.last_rank
+        return first_only and self.replicas.group is None and batch >= self.num_microbatches
+
+    def _confirm_batch(self, rejection: ValueError | None = None) -> list[int]:
+        """Read the ends' batch sizes and check them: the micro-batch sizes, or ``BatchRefused`` on every
+        rank of the pipeline (and of its replicas) alike."""
+        batch, target_batch = self.ends.batch_sizes()
         try:
             if rejection is not None:
                 raise ValueError(f"rank {self.global_rank}: {rejection}")
             self._check_batch(batch, target_batch)
             sizes = self._microbatch_sizes(batch)
-        except ValueError:  # every rank of the pipeline raises: complete what was sent, tell the replicas
+        except ValueError as error:  # complete what was sent, tell the replicas
             self.ends.wait_sends()
+            self.messenger.abandon()
             self.replicas.refuse_batch()
-            raise
-        self.first_sample = self.replicas.first_sample(batch)
+            raise BatchRefused(str(error)) from None
+        try:
+            self.first_sample = self.replicas.first_sample(batch)
+        except ValueError as error:  # another replica refused its batch
+            self.ends.wait_sends()
+            raise BatchRefused(str(error)) from None
         self.ends.expect_loss()
         return sizes
 

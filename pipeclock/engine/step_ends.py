@@ -46,27 +46,35 @@ class StepEnds:
         self.first_rank, self.last_rank = first_rank, last_rank
         self.ends = sorted({first_rank, last_rank})
         self._sends: list[comms.PendingSend] = []
+        self._mine: torch.Tensor | None = None  # this step's sizes, until the others' are read
+        self._sizes: list[comms.PendingRecv] = []
         self._loss: comms.PendingRecv | None = None
 
-    def batch_sizes(self, mine: list[int]) -> tuple[int, int]:
-        """(the first stage's batch size, the last stage's), the same on every rank.
+    def send_batch_sizes(self, mine: list[int]) -> None:
+        """Send this rank's batch sizes (if it holds an end) and post the receives of the others'.
 
         ``mine`` is this rank's [inputs' batch size, targets' batch size], ``NOT_HERE`` for an end it
         does not hold. A size sent is waited for when the step ends (``share_loss``): by then every
         rank has read it, so the sender never waits for a rank still busy with the previous step.
         """
+        self._mine = torch.tensor(mine, dtype=torch.int64, device=self.device)
         if len(self.peers) == 1:
-            return mine[0], mine[1]
-        values = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            return
         if self.rank in self.ends:
-            self._send_to_others(values, BATCH_TAG, "sending the batch size")
-        received = [
+            self._send_to_others(self._mine, BATCH_TAG, "sending the batch size")
+        self._sizes = [
             comms.irecv((2,), self.peers[end], torch.int64, BATCH_TAG, "receiving the batch size")
             for end in self.ends
             if end != self.rank
         ]
-        for pending in received:
-            values = torch.maximum(values, pending.wait())
+
+    def batch_sizes(self) -> tuple[int, int]:
+        """(the first stage's batch size, the last stage's), the same on every rank, once
+        ``send_batch_sizes`` has posted this rank's part."""
+        values, self._mine = self._mine, None
+        pending, self._sizes = self._sizes, []
+        for received in pending:
+            values = torch.maximum(values, received.wait())
         batch, target_batch = values.tolist()
         return batch, target_batch
 

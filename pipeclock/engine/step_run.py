@@ -35,6 +35,12 @@ class StageError(RuntimeError):
     """A stage's own computation failed (a shape that does not fit, a bad loss ...); names rank and action."""
 
 
+class BatchRefused(ValueError):
+    """The batch the ends were given cannot be run (no inputs, sizes that differ ...); raised alike on
+    every rank, before any activation is sent: on the first stage perhaps during its first forward
+    (``Pipeline._agree_on_batch``), so it passes through as it is, not as a ``StageError``."""
+
+
 @dataclass
 class _Stash:
     """What a micro-batch's forward leaves for its backward on one chunk."""
@@ -88,7 +94,8 @@ class StepRun:
         self.pipe.messenger.sent_bytes = 0
         self.prefetch(0)
         for index, action in enumerate(self.actions):
-            self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
+            if index > 0 or not self.pipe.messenger.gated:  # a gated first action posts its own
+                self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
             self.index, self.stage = index, self.stages[index]
             self.execute(action)
             if self.syncs_after[index]:
@@ -109,7 +116,7 @@ class StepRun:
         start = time.perf_counter()
         try:
             self.run_action(action)
-        except comms.CommError:
+        except (comms.CommError, BatchRefused):
             raise
         except Exception as error:
             raise StageError(
@@ -178,12 +185,20 @@ class StepRun:
                 self.meter.release(key)
             return output
         stashed: list[torch.Tensor] = pytree.leaves(stage_input)
+        outputs = pipe.parameter_outputs
+        fed_shape = shape or _shape(pipe.chunks[chunk], chunk, stage_input, self.training)
+        known = None if outputs.defers_weights else outputs.split_pays_for.get(fed_shape)
         with self.meter.measuring(key, stashed, shape) if self.meter else nullcontext():
-            with pipe.parameter_outputs.capture() as self._captured:
+            with nullcontext([]) if known is False else outputs.capture() as self._captured:
                 fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
                 output = pipe.chunks[chunk](fed)
             stashed += pytree.leaves(output)
-        if not pipe.parameter_outputs.defers_weights and not in_place_saves_enough(self._captured):
+        if not outputs.defers_weights and known is None:
+            # whether a backward that W follows at once is split depends only on the shapes: decided
+            # on the first forward of each, after which a forward whose backward will be whole captures
+            # nothing (holding every layer's output through the forward cost fresh memory each step)
+            outputs.split_pays_for[fed_shape] = in_place_saves_enough(self._captured)
+        if not outputs.defers_weights and not outputs.split_pays_for[fed_shape]:
             self._captured = []  # the backward will be whole: holding the outputs would only keep memory
         return output
 
