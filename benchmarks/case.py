@@ -42,11 +42,15 @@ class CaseRun:
             free_grads(engine.modules)
 
     def timed_step(self, index: int) -> None:
-        """Step ``index`` (from 1) of every engine, in turn: pipeclock, then torch."""
+        """Step ``index`` (from 1) of every engine, in turn: pipeclock first in odd steps, torch in even.
+
+        The engine that steps right after another engine finds the heap and the caches as that one left
+        them; taking turns at going first puts that on both engines alike.
+        """
         if index > self.case.steps:
             return
         batch = self.batch(index)
-        for engine in self.engines:
+        for engine in self.engines if index % 2 else self.engines[::-1]:
             self.step_engine(engine, batch, metering=False)
 
     def run_check(self) -> None:
