@@ -18,7 +18,7 @@ whose comparison the smaller widths already show) and takes two timed steps per 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 TORCH_SCHEDULES = {
@@ -140,6 +140,18 @@ def small_actions() -> Plan:
         tuple(cases),
         {512: _steps(512, False, 1.0), 1024: _steps(1024, False, 1.0), 2048: _steps(2048, False, 1.0)},
     )
+
+
+def least_compute() -> Plan:
+    """Hidden 512 with m in {1, 2} on two and four ranks: the cases where pipeclock is to be at or
+    below torch's step, with the least compute per action of all."""
+    return sweep(hiddens=(512,), microbatches=(1, 2))
+
+
+def with_steps(chosen: Plan, steps: int) -> Plan:
+    """The same cases, each timed for ``steps`` steps per engine (more steps: tighter medians)."""
+    cases = tuple(replace(case, steps=steps) for case in chosen.cases)
+    return Plan(cases, {hidden: steps for hidden in chosen.baseline_steps})
 
 
 def v_schedules() -> Plan:

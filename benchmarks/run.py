@@ -4,6 +4,7 @@
     python -m benchmarks.run --quick     # two ranks, hidden 512 and 1024, m in {2, 4, 8}
     python -m benchmarks.run --targets --runs 3   # the target cases, three times over
     python -m benchmarks.run --small-actions   # least compute per action: hidden 512 with m <= 2, m = 1
+    python -m benchmarks.run --least-compute --steps 30   # hidden 512, m <= 2 only, 30 steps a case
 
 For each number of stages the worker runs under torchrun (two ranks also measure T1), then the overhead
 worker runs on two ranks. Results go to ``benchmarks/results/<name>.json`` (every record of every run)
@@ -31,6 +32,7 @@ PLANS = {
     "quick": plan.quick,
     "targets": plan.targets,
     "small-actions": plan.small_actions,
+    "least-compute": plan.least_compute,
     "tiny": plan.tiny,
     "v": plan.v_schedules,
     "overhead": plan.nothing,
@@ -51,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only the cases with the least compute per action (hidden 512 with m <= 2, m = 1)",
     )
     which.add_argument(
+        "--least-compute",
+        action="store_const",
+        dest="plan",
+        const="least-compute",
+        help="only hidden 512 with m <= 2, on 2 and 4 ranks",
+    )
+    which.add_argument(
         "--tiny", action="store_const", dest="plan", const="tiny", help="a smoke run of a few seconds"
     )
     which.add_argument(
@@ -66,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(plan="full")
     parser.add_argument(
         "--runs", type=positive_int, default=1, help="repeat the sweep; cells show median [low–high]"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, help="timed steps per case and engine (default: the plan's, 2-10)"
     )
     parser.add_argument("--name", help="results file name (default: the plan's name)")
     parser.add_argument(
@@ -123,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         return rewrite(args)
     chosen = PLANS[args.plan]()
+    if args.steps:
+        chosen = plan.with_steps(chosen, args.steps)
     name = args.name or args.plan
     command = getattr(args, "command_line", None) or shlex.join(
         ["python", "-m", "benchmarks.run", *sys.argv[1:]]
