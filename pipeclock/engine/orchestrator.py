@@ -257,8 +257,9 @@ class Pipeline:
         self.ties.prepare()  # collective on the first step: before a first stage may run ahead
         mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
-        self.ends.send_batch_sizes(mine)
-        if rejection is None and self._may_check_later(mine[0]):
+        later = rejection is None and self._may_check_later(mine[0])
+        self.ends.send_batch_sizes(mine, later)
+        if later:
             self.messenger.open_after(self._confirm_batch)
             return microbatch_sizes(mine[0], self.num_microbatches)
         return self._confirm_batch(rejection)

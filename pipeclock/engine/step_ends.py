@@ -9,12 +9,12 @@ checks the same numbers. When the step ends, the last stage sends the loss to ev
 Point-to-point messages, not collectives, because of who waits. An all-reduce completes only when the
 last rank arrives, and the rank that opens a step is the one that finished the previous step last (its
 final backward closes the pipeline), so every step began with a ring's worth of latency on the critical
-path; the loss broadcast that closed the step added another. Here the first stage posts its sends and
-goes straight on to its first forward, reading the last stage's size only before its first message
-leaves (``send_batch_sizes`` now, ``batch_sizes`` then), while the others, who could only wait for its
-activation anyway, read the sizes at once; the loss's receives are posted when the step begins, so the loss is already there when a
-rank finishes its last backward. At one micro-batch per step, the two collectives cost ~10 % of a small
-model's step on four CPU ranks (``docs/benchmarks.md``).
+path; the loss broadcast that closed the step added another. Here the first stage goes straight on to
+its first forward: it sends its size and reads the last stage's only before its first message leaves
+(``Pipeline._agree_on_batch``), while the others, who could only wait for its activation anyway, read
+the sizes at once. The loss's receives are posted when the step begins, so the loss is already there
+when a rank finishes its last backward. At one micro-batch per step, the two collectives cost ~10 % of
+a small model's step on four CPU ranks (``docs/benchmarks.md``).
 
 What cannot change between steps (the micro-batch count, the chunks, the schedule) is agreed once, with
 one all-reduce on the first step (``Pipeline._agree_on_configuration``).
@@ -49,19 +49,23 @@ class StepEnds:
         self._sends: list[comms.PendingSend] = []
         self._mine: torch.Tensor | None = None  # this step's sizes, until the others' are read
         self._sizes: list[comms.PendingRecv] = []
+        self._unsent = False  # this rank's sizes wait for ``batch_sizes``
         self._loss: comms.PendingRecv | None = None
 
-    def send_batch_sizes(self, mine: list[int]) -> None:
+    def send_batch_sizes(self, mine: list[int], later: bool = False) -> None:
         """Send this rank's batch sizes (if it holds an end) and post the receives of the others'.
 
         ``mine`` is this rank's [inputs' batch size, targets' batch size], ``NOT_HERE`` for an end it
         does not hold. A size sent is waited for when the step ends (``share_loss``): by then every
         rank has read it, so the sender never waits for a rank still busy with the previous step.
+        With ``later`` this rank's sizes go out in ``batch_sizes`` (the first stage: its first forward
+        comes first, and the others wait for its activation anyway).
         """
         self._mine = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        self._unsent = later and self.rank in self.ends
         if len(self.peers) == 1:
             return
-        if self.rank in self.ends:
+        if self.rank in self.ends and not later:
             self._send_to_others(self._mine, BATCH_TAG, "sending the batch size")
         self._sizes = [
             comms.irecv((2,), self.peers[end], torch.int64, BATCH_TAG, "receiving the batch size")
@@ -74,6 +78,8 @@ class StepEnds:
         ``send_batch_sizes`` has posted this rank's part."""
         values, self._mine = self._mine, None
         pending, self._sizes = self._sizes, []
+        if self._unsent and len(self.peers) > 1:
+            self._send_to_others(values, BATCH_TAG, "sending the batch size")
         for received in pending:
             values = torch.maximum(values, received.wait())
         batch, target_batch = values.tolist()
