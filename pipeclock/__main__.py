@@ -1,3 +1,12 @@
-from pipeclock.app.cli import main
+import os
+import sys
 
-raise SystemExit(main())
+from pipeclock.app.cli import main
+from pipeclock.app.interrupts import received
+
+code = main()
+if received() is not None:  # interrupted: end now, not in a teardown of communicators with work in flight
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+raise SystemExit(code)

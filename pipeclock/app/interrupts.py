@@ -77,6 +77,10 @@ def run_as_script(main: Callable[[], object]) -> None:
 
     A rank whose peer stopped first sees a broken connection before its own signal is handled; that
     counts as the interruption too. Any other error keeps its traceback: in a lab it is a bug.
+
+    The process then ends at once (``os._exit``), its output flushed: an interrupted step leaves messages
+    in flight, and tearing down a communicator that still holds them can abort in C++ with a line of its
+    own ("terminate called without an active exception") after the rank's one line.
     """
     with signals_caught():
         try:
@@ -89,4 +93,5 @@ def run_as_script(main: Callable[[], object]) -> None:
                 raise
             code = 128 + _received
     print(f"rank {os.environ.get('RANK', '0')}: interrupted", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    sys.stdout.flush()
+    os._exit(code)  # ``python -m pipeclock`` ends an interrupted command the same way
