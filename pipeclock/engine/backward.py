@@ -165,13 +165,31 @@ class ParameterOutputs:
         self._captured.append(Captured(module, linear_input, output, output._version))
 
     @contextmanager
-    def capture(self) -> Iterator[list[Captured]]:
-        """Collect the inputs and outputs of the parameter-holding modules run inside the block."""
+    def capture(self, shape: tuple | None = None) -> Iterator[list[Captured]]:
+        """Collect the inputs and outputs of the parameter-holding modules run inside the block.
+
+        ``shape`` (what the forward was fed; None when every W may be deferred) lets a forward whose
+        backward is known to run whole collect nothing: holding every layer's output through the
+        forward, only to drop it after, cost fresh memory (page faults) on every step.
+        """
+        if shape is not None and self.split_pays_for.get(shape) is False:
+            yield []
+            return
         self._captured = captured = []
         try:
             yield captured
         finally:
             self._captured = None
+
+    def kept(self, shape: tuple | None, captured: list[Captured]) -> list[Captured]:
+        """What a forward's backward will use of ``captured``: all of it when W may be deferred
+        (``shape`` None), else all or nothing, as ``in_place_saves_enough`` decides on the first
+        forward of each shape."""
+        if shape is None:
+            return captured
+        if shape not in self.split_pays_for:
+            self.split_pays_for[shape] = in_place_saves_enough(captured)
+        return captured if self.split_pays_for[shape] else []
 
     @contextmanager
     def rebuilding(self, captured: list[Captured]) -> Iterator[None]:

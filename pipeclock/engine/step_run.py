@@ -186,20 +186,15 @@ class StepRun:
             return output
         stashed: list[torch.Tensor] = pytree.leaves(stage_input)
         outputs = pipe.parameter_outputs
-        fed_shape = shape or _shape(pipe.chunks[chunk], chunk, stage_input, self.training)
-        known = None if outputs.defers_weights else outputs.split_pays_for.get(fed_shape)
+        fed_shape = None
+        if not outputs.defers_weights:  # whether this forward's capture is used depends on its shapes
+            fed_shape = shape or _shape(pipe.chunks[chunk], chunk, stage_input, self.training)
         with self.meter.measuring(key, stashed, shape) if self.meter else nullcontext():
-            with nullcontext([]) if known is False else outputs.capture() as self._captured:
+            with outputs.capture(fed_shape) as captured:
                 fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
                 output = pipe.chunks[chunk](fed)
             stashed += pytree.leaves(output)
-        if not outputs.defers_weights and known is None:
-            # whether a backward that W follows at once is split depends only on the shapes: decided
-            # on the first forward of each, after which a forward whose backward will be whole captures
-            # nothing (holding every layer's output through the forward cost fresh memory each step)
-            outputs.split_pays_for[fed_shape] = in_place_saves_enough(self._captured)
-        if not outputs.defers_weights and not outputs.split_pays_for[fed_shape]:
-            self._captured = []  # the backward will be whole: holding the outputs would only keep memory
+        self._captured = outputs.kept(fed_shape, captured)
         return output
 
     def backward(self, action: Action) -> None:
