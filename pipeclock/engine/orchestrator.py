@@ -248,18 +248,18 @@ class Pipeline:
         send the sizes they were given to every rank (``pipeclock.engine.step_ends``), so that a bad batch
         is one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
 
-        The first stage, given a batch it can cut, does not wait for the last stage's size: it runs its
-        first forward while that message travels, and checks the sizes before its first message leaves
-        (``Messenger.open_after``). Every other rank has nothing to do before a message comes anyway.
+        The first stage, given a batch it can cut, sends its size and does not wait for the last stage's:
+        it runs its first forward while that message travels, and checks the sizes before its first
+        activation leaves (``Messenger.open_after``). Every other rank has nothing to do before a message
+        comes anyway.
         """
         if not self._configuration_agreed:
             self._agree_on_configuration()
         self.ties.prepare()  # collective on the first step: before a first stage may run ahead
         mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
-        later = rejection is None and self._may_check_later(mine[0])
-        self.ends.send_batch_sizes(mine, later)
-        if later:
+        self.ends.send_batch_sizes(mine)
+        if rejection is None and self._may_check_later(mine[0]):
             self.messenger.open_after(self._confirm_batch)
             return microbatch_sizes(mine[0], self.num_microbatches)
         return self._confirm_batch(rejection)

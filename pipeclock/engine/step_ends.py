@@ -2,19 +2,29 @@
 
 Only the first stage sees the inputs and only the last the targets, yet every rank needs the batch size
 (to cut it into micro-batches and post receives of the right size), and a bad batch must be one error
-raised alike on every rank before any pipeline message is sent. So when a step begins, the rank holding
-each end of the pipeline sends the batch size it was given straight to every other rank, and every rank
-checks the same numbers. When the step ends, the last stage sends the loss to every rank the same way.
+raised alike on every rank before any pipeline message is sent. So when a step begins, the sizes the two
+ends were given travel to every rank, and every rank checks the same numbers. When the step ends, the
+last stage sends the loss to every rank.
+
+The sizes travel along the pipeline, about one message per rank. The first stage sends its size to the next
+rank (the hub), the last stage sends its own to the hub and to the first stage; the hub takes the larger
+of each pair and hands both on to the next rank, which hands them on in turn, up to the rank before the
+first. Every rank other than the first hands them on before its first forward, so they always reach a
+rank before the activation from the rank before it can; the ranks woken by them wake one after another,
+not all at once. That matters on a machine with fewer cores than ranks: each rank woken while the first
+stage computes its first forward can take that stage's core, and the activation that forward sends waits
+for a receive posted only once its sizes are there. With the first stage sending to every rank at the
+moment its first activation left, a four-rank step on two cores spent 0.7 ms more between the first two
+stages' forwards than ``torch.distributed.pipelining`` (``docs/benchmarks.md``).
 
 Point-to-point messages, not collectives, because of who waits. An all-reduce completes only when the
 last rank arrives, and the rank that opens a step is the one that finished the previous step last (its
 final backward closes the pipeline), so every step began with a ring's worth of latency on the critical
-path; the loss broadcast that closed the step added another. Here the first stage goes straight on to
-its first forward: it sends its size and reads the last stage's only before its first message leaves
+path; the loss broadcast that closed the step added another. Here the first stage sends its size and goes
+straight on to its first forward: it reads the last stage's only before its first message leaves
 (``Pipeline._agree_on_batch``), while the others, who could only wait for its activation anyway, read
 the sizes at once. The loss's receives are posted when the step begins, so the loss is already there
-when a rank finishes its last backward. At one micro-batch per step, the two collectives cost ~10 % of
-a small model's step on four CPU ranks (``docs/benchmarks.md``).
+when a rank finishes its last backward.
 
 What cannot change between steps (the micro-batch count, the chunks, the schedule) is agreed once, with
 one all-reduce on the first step (``Pipeline._agree_on_configuration``).
@@ -45,43 +55,56 @@ class StepEnds:
     def __init__(self, rank: int, peers: list[int], first_rank: int, last_rank: int, device: torch.device):
         self.rank, self.peers, self.device = rank, peers, device
         self.first_rank, self.last_rank = first_rank, last_rank
-        self.ends = sorted({first_rank, last_rank})
         self._sends: list[comms.PendingSend] = []
         self._mine: torch.Tensor | None = None  # this step's sizes, until the others' are read
         self._sizes: list[comms.PendingRecv] = []
-        self._unsent = False  # this rank's sizes wait for ``batch_sizes``
         self._loss: comms.PendingRecv | None = None
+        self._recipients, self._senders, self._hand_on_to = self._route()
 
-    def send_batch_sizes(self, mine: list[int], later: bool = False) -> None:
+    def _route(self) -> tuple[list[int], list[int], int | None]:
+        """Whom this rank sends its own sizes to, whose size messages it reads, whom it hands them on to.
+
+        Ranks are counted from the first stage: it is place 0, the hub place 1, the rest follow.
+        """
+        count, first, last, me = len(self.peers), self.first_rank, self.last_rank, self.rank
+        if count == 1:
+            return [], [], None
+        place, hub = (me - first) % count, (first + 1) % count
+        recipients = [hub] if me == first else []
+        if me == last != first:
+            recipients += [first] + ([hub] if hub != me else [])
+        if me == first:
+            senders = [last] if last != first else []
+        elif me == hub:
+            senders = [first] + ([last] if last not in (first, hub) else [])
+        else:
+            senders = [(me - 1) % count]  # the pair, as the rank before has it
+        return recipients, senders, ((me + 1) % count if 1 <= place < count - 1 else None)
+
+    def send_batch_sizes(self, mine: list[int]) -> None:
         """Send this rank's batch sizes (if it holds an end) and post the receives of the others'.
 
         ``mine`` is this rank's [inputs' batch size, targets' batch size], ``NOT_HERE`` for an end it
         does not hold. A size sent is waited for when the step ends (``share_loss``): by then every
         rank has read it, so the sender never waits for a rank still busy with the previous step.
-        With ``later`` this rank's sizes go out in ``batch_sizes`` (the first stage: its first forward
-        comes first, and the others wait for its activation anyway).
         """
         self._mine = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        self._unsent = later and self.rank in self.ends
-        if len(self.peers) == 1:
-            return
-        if self.rank in self.ends and not later:
-            self._send_to_others(self._mine, BATCH_TAG, "sending the batch size")
+        for recipient in self._recipients:
+            self._send(self._mine, recipient, BATCH_TAG, "sending the batch size")
         self._sizes = [
-            comms.irecv((2,), self.peers[end], torch.int64, BATCH_TAG, "receiving the batch size")
-            for end in self.ends
-            if end != self.rank
+            comms.irecv((2,), self.peers[sender], torch.int64, BATCH_TAG, "receiving the batch size")
+            for sender in self._senders
         ]
 
     def batch_sizes(self) -> tuple[int, int]:
         """(the first stage's batch size, the last stage's), the same on every rank, once
-        ``send_batch_sizes`` has posted this rank's part."""
+        ``send_batch_sizes`` has posted this rank's part; handed on to the next rank first."""
         values, self._mine = self._mine, None
         pending, self._sizes = self._sizes, []
-        if self._unsent and len(self.peers) > 1:
-            self._send_to_others(values, BATCH_TAG, "sending the batch size")
         for received in pending:
             values = torch.maximum(values, received.wait())
+        if self._hand_on_to is not None:
+            self._send(values, self._hand_on_to, BATCH_TAG, "handing on the batch size")
         batch, target_batch = values.tolist()
         return batch, target_batch
 
@@ -113,10 +136,13 @@ class StepEnds:
         self.wait_sends()
         return float(value)
 
+    def _send(self, value: torch.Tensor, to: int, tag: int, what: str) -> None:
+        self._sends.append(comms.isend(value, self.peers[to], tag, what))
+
     def _send_to_others(self, value: torch.Tensor, tag: int, what: str) -> None:
-        for other, peer in enumerate(self.peers):
+        for other in range(len(self.peers)):
             if other != self.rank:
-                self._sends.append(comms.isend(value, peer, tag, what))
+                self._send(value, other, tag, what)
 
     def wait_sends(self) -> None:
         """Complete this rank's sends of the step: when it ends, or when it is refused before it runs.
