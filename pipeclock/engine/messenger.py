@@ -45,6 +45,7 @@ from pipeclock import comms
 from pipeclock.engine import pytree
 from pipeclock.engine.actions import Action
 from pipeclock.engine.placement import Placement
+from pipeclock.engine.receive_buffers import ReceiveBuffers
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 STEP = 3  # the batch size and the loss, once a step (``pipeclock.engine.step_ends``)
@@ -105,6 +106,7 @@ class Messenger:
         self._sends: dict[tuple[int, int, int], list[comms.PendingSend]] = {}  # by message key
         self._done_by = sends_done_by(table, placement, rank) if table else {}
         self._gate: Callable[[], object] | None = None  # runs before this step's first message
+        self.buffers = ReceiveBuffers(comms.device())
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
         self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
@@ -247,8 +249,10 @@ class Messenger:
         posted = []
         for leaf, (shape, dtype) in enumerate(shapes):
             tag = message_tag(kind, stage, microbatch, leaf)
-            pending = comms.irecv(shape, src, self._wire(dtype), tag, self._what(key))
-            posted.append(pending if self._wire(dtype) == dtype else _Widened(pending, dtype))
+            wire = self._wire(dtype)
+            into = self.buffers.take(shape, wire)
+            pending = comms.irecv(shape, src, wire, tag, self._what(key), into)
+            posted.append(pending if wire == dtype else _Widened(pending, dtype))
         return posted
 
     @staticmethod
@@ -270,6 +274,7 @@ class Messenger:
     def finish(self) -> None:
         """Wait for every send of this step; nothing may be left half-received."""
         self._pass_gate()  # a rank that sent nothing this step still checks what it was asked to
+        self.buffers.end_step()
         sends, self._sends = self._sends, {}
         for send in (send for posted in sends.values() for send in posted):
             send.wait()
