@@ -36,6 +36,15 @@ def test_showing_a_schedule_prints_its_diagram_bubble_formula_and_peaks(schedule
     assert "peak activations  4 3 2 1" in out
 
 
+def test_a_split_schedule_says_which_first_stage_backwards_the_engine_runs_whole(schedule_command):
+    """The engine joins stage 0's I and W when W follows at once (``join_first_stage_backwards``); what
+    the command draws is the schedule as written, so it says so. Nothing to say where nothing is split."""
+    joined = "as run            stage 0's I, W pairs run as one B ({} of 4 micro-batches)"
+    assert joined.format(4) in schedule_command("zb-h1", "-p", "2", "-m", "4")[1]
+    assert joined.format(2) in schedule_command("dualpipev", "-p", "2", "-m", "4")[1]
+    assert "as run" not in schedule_command("1f1b", "-p", "2", "-m", "4")[1]
+
+
 def test_an_interleaved_schedule_takes_chunks_and_counts_time_in_stages(schedule_command):
     code, out, _ = schedule_command("interleaved-1f1b", "-p", "4", "-m", "8", "--chunks", "2")
     assert code == 0

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from pipeclock.app.arguments import check_output, non_negative_float, positive_int
-from pipeclock.engine.actions import Schedule, num_chunks, placement_of
+from pipeclock.engine.actions import Schedule, join_first_stage_backwards, num_chunks, placement_of
 from pipeclock.engine.csv_schedule import load_csv, save_csv
 from pipeclock.engine.generators import (
     SCHEDULES,
@@ -94,6 +94,12 @@ def _show_one(args: argparse.Namespace) -> int:
     print(ascii_diagram(timeline))
     print()
     print(_summary(name, p, m, chunks, timeline))
+    joined = _joined_backwards(schedule)
+    if joined:
+        print(
+            f"as run            stage 0's I, W pairs run as one B ({joined} of {m} micro-batches): "
+            "nothing waits for its input gradient"
+        )
     if args.save_csv:
         Path(args.save_csv).parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {save_csv(schedule, args.save_csv)}")
@@ -120,6 +126,12 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
         )
     p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
     return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
+
+
+def _joined_backwards(schedule: Schedule) -> int:
+    """How many first-stage I, W pairs the engine runs as one B (``join_first_stage_backwards``)."""
+    split = sum(a.op == "I" for row in schedule for a in row)
+    return split - sum(a.op == "I" for row in join_first_stage_backwards(schedule) for a in row)
 
 
 def _microbatches(schedule: Schedule) -> int:
