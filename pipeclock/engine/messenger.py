@@ -272,7 +272,8 @@ class Messenger:
         return len(self._sends)
 
     def finish(self) -> None:
-        """Wait for every send of this step; nothing may be left half-received."""
+        """Wait for every send of this step; nothing may be left half-received. Receive buffers the step
+        did not use are let go."""
         self._pass_gate()  # a rank that sent nothing this step still checks what it was asked to
         self.buffers.end_step()
         sends, self._sends = self._sends, {}

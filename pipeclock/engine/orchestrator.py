@@ -244,9 +244,9 @@ class Pipeline:
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
         """Share the batch size and check it, the same way on every rank, before any pipeline message.
 
-        Only the first stage sees the inputs and only the last the targets: the ranks holding the ends
-        send the sizes they were given to every rank (``pipeclock.engine.step_ends``), so that a bad batch
-        is one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
+        Only the first stage sees the inputs and only the last the targets: the sizes the ends were given
+        travel along the pipeline to every rank (``pipeclock.engine.step_ends``), so that a bad batch is
+        one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
 
         The first stage, given a batch it can cut, sends its size and does not wait for the last stage's:
         it runs its first forward while that message travels, and checks the sizes before its first
