@@ -7,10 +7,6 @@ concurrent launches (``runs``), and the tests below compare what they left: thei
 floats), their logs and their checkpoints. The reference run's processes go on to resume damaged copies of
 its own checkpoints (``_resumes``), so those cases cost no launch of their own; the damage that export
 must name is done to copies in the test process.
-
-Run as a module under torchrun (``-m tests.test_checkpoint STEP train ...``) this file is the train
-command with one twist: local rank 1 of torchrun's first attempt SIGKILLs itself after step STEP, so the
-death happens at a known step and the test depends on no timing.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from pipeclock import comms
 from pipeclock.app import checkpoint, checkpoint_choice, cli
 from pipeclock.app.train import TrainConfig, train
 from pipeclock.model import ShardedMLP
+from tests.checkpoint_damage import damages, flip_a_byte, truncate
 from tests.distributed import run_ok, run_ranks
 from tests.jobs import Launch, losses_of
 
@@ -116,8 +113,8 @@ def _resumes(config: TrainConfig, rank: int) -> dict[str, dict]:
     copy, fresh = root.with_name("damaged"), (lambda name: str(root.with_name(name)))
     if rank == 0:
         shutil.copytree(root, copy)
-        _flip_a_byte(copy / "step_000020" / "__0_0.distcp")
-        _truncate(copy / "step_000015" / "__1_0.distcp")
+        flip_a_byte(copy / "step_000020" / "__0_0.distcp")
+        truncate(copy / "step_000015" / "__1_0.distcp")
         (copy / "step_000003.partial").mkdir()  # a save in progress: --keep-last never touches it
     comms.barrier("damaging the copy")
     resumes = {
@@ -140,23 +137,6 @@ def _resumed(config: TrainConfig) -> dict:
     except (ValueError, checkpoint.CheckpointError) as error:
         return {"said": said.getvalue(), "error": f"{type(error).__name__}: {error}"}
     return {"said": said.getvalue(), "losses": losses}
-
-
-def _flip_a_byte(path: Path, at: int = 1000) -> None:
-    content = bytearray(path.read_bytes())
-    content[at] ^= 0xFF
-    path.write_bytes(bytes(content))
-
-
-def _garble(path: Path) -> None:
-    """Overwrite the file with bytes that are no pickle, keeping its size."""
-    size = path.stat().st_size
-    path.write_bytes((b"\x80\x05garbage" * size)[:size])
-
-
-def _truncate(path: Path, size: int = 1000) -> None:
-    with open(path, "r+b") as file:
-        file.truncate(size)
 
 
 # --- a save that a rank does not survive -----------------------------------------------------------------
@@ -358,42 +338,10 @@ def test_resuming_an_older_checkpoint_into_a_directory_with_newer_ones_is_refuse
         )
 
 
-def _damages(step: Path) -> dict[str, tuple]:
-    """Ways a saved checkpoint gets damaged, each with what export must say about it."""
-    size = {path.name: path.stat().st_size for path in step.iterdir()}
-    return {
-        "a .distcp cut short": (
-            lambda copy: _truncate(copy / "__1_0.distcp"),
-            f"__1_0.distcp: truncated to 1000 of {size['__1_0.distcp']} bytes",
-        ),
-        "a .distcp with a flipped byte": (
-            lambda copy: _flip_a_byte(copy / "__0_0.distcp"),
-            "__0_0.distcp: its CRC32 differs from the one saved: the content changed",
-        ),
-        "a .distcp gone": (lambda copy: (copy / "__1_0.distcp").unlink(), "__1_0.distcp: missing"),
-        "a .metadata cut short": (
-            lambda copy: _truncate(copy / ".metadata"),
-            f".metadata: truncated to 1000 of {size['.metadata']} bytes",
-        ),
-        "a garbled .metadata of the right size": (
-            lambda copy: _garble(copy / ".metadata"),
-            ".metadata: unreadable, UnpicklingError: ",
-        ),
-        "a corrupt pipeclock.json": (
-            lambda copy: (copy / "pipeclock.json").write_text('{"step": 20, "stag'),
-            "pipeclock.json: not valid JSON, Unterminated string starting at: line 1 column 14 (char 13)",
-        ),
-        "a pipeclock.json of something else": (
-            lambda copy: (copy / "pipeclock.json").write_text("[1, 2]"),
-            "pipeclock.json: not a pipeclock run description (no step or stages)",
-        ),
-    }
-
-
 @pytest.mark.slow
 def test_export_of_a_damaged_checkpoint_is_one_error_naming_the_file_and_the_fault(runs, tmp_path, capsys):
     saved = runs.tmp / "reference" / "step_000020"
-    for name, (damage, expected) in _damages(saved).items():
+    for name, (damage, expected) in damages(saved).items():
         copy, output = tmp_path / name / "step_000020", tmp_path / name / "model.pt"
         shutil.copytree(saved, copy)
         damage(copy)
@@ -409,7 +357,7 @@ def test_export_of_a_damaged_checkpoint_is_one_error_naming_the_file_and_the_fau
 def test_export_of_a_run_directory_skips_its_damaged_newest_and_says_so(runs, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(runs.tmp / "reference", run)
-    _truncate(run / "step_000020" / "__1_0.distcp")
+    truncate(run / "step_000020" / "__1_0.distcp")
     (run / "step_000015" / "pipeclock.json").unlink()
     assert cli.main(["export", str(run), str(tmp_path / "model.pt")]) == 0
     out, err = capsys.readouterr()
@@ -435,7 +383,7 @@ def test_keep_last_keeps_the_newest_sound_checkpoints_and_never_a_partial_save(r
     run = tmp_path / "run"
     shutil.copytree(runs.tmp / "reference", run)
     (run / "step_000030.partial").mkdir()  # another run's save in progress
-    _truncate(run / "step_000015" / "__1_0.distcp")  # damaged: it does not take one of the places
+    truncate(run / "step_000015" / "__1_0.distcp")  # damaged: it does not take one of the places
     newest = run / "step_000020"
     assert checkpoint_choice.prune(run, 2, newest) == [run / "step_000005"]
     assert sorted(p.name for p in run.iterdir()) == [
@@ -465,30 +413,3 @@ def test_export_of_a_directory_without_a_checkpoint_is_one_clear_error(tmp_path,
         == f"pipeclock export: error: no checkpoint in {tmp_path}: no complete step_NNNNNN directory in it\n"
     )
     assert not (tmp_path / "model.pt").exists()
-
-
-# --- run as a module under torchrun: the train command with a rank that dies -----------------------------
-
-
-def _train_with_a_rank_that_dies(die_after: int, argv: list[str]) -> int:
-    import pipeclock.app.commands.train as command
-
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    victim = first_attempt and os.environ.get("LOCAL_RANK") == "1"
-    real_train = command.train
-
-    def train_that_dies(config, on_step=None, **others):
-        def step(index: int, loss: float) -> None:
-            if on_step:
-                on_step(index, loss)
-            if victim and index == die_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        return real_train(config, on_step=step, **others)
-
-    command.train = train_that_dies
-    return cli.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(_train_with_a_rank_that_dies(int(sys.argv[1]), sys.argv[2:]))

@@ -82,7 +82,7 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
         rendezvous = options.pop("rendezvous", None)
         argv = flags(**options)
         if module != "pipeclock":
-            argv = ["7", *argv]  # tests.test_checkpoint kills local rank 1 after step 7 (once)
+            argv = ["7", *argv]  # tests.dying_train kills local rank 1 after step 7 (once)
         started.append(
             Launch(tmp / name, processes, argv, restarts=restarts, module=module, rendezvous=rendezvous)
         )
@@ -105,7 +105,7 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
     try:
         endpoint = f"127.0.0.1:{free_port()}"
         # dp 2 x pp 2 loses a rank after step 7; torchrun restarts it and it resumes from step 5
-        dying = dict(checkpoint_every=5, resume=True, restarts=1, module="tests.test_checkpoint")
+        dying = dict(checkpoint_every=5, resume=True, restarts=1, module="tests.dying_train")
         first = {
             "dp2pp2": job("dp2pp2", 4, dp=2, **dying),
             "dp4": job("dp4", 4, dp=4, data_parallel="ddp"),

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 _received: int | None = None
 
@@ -92,6 +93,13 @@ def run_as_script(main: Callable[[], object]) -> None:
             if _received is None:
                 raise
             code = 128 + _received
-    print(f"rank {os.environ.get('RANK', '0')}: interrupted", file=sys.stderr, flush=True)
+    print(f"rank {os.environ.get('RANK', '0')}: interrupted", file=sys.stderr)
+    end_now(code)
+
+
+def end_now(code: int) -> NoReturn:
+    """End an interrupted process at once, its output flushed (``run_as_script``, ``python -m pipeclock``):
+    not in the teardown of communicators that still hold an interrupted step's messages."""
     sys.stdout.flush()
-    os._exit(code)  # ``python -m pipeclock`` ends an interrupted command the same way
+    sys.stderr.flush()
+    os._exit(code)
