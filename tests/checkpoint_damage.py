@@ -26,20 +26,18 @@ def truncate(path: Path, size: int = 1000) -> None:
 def damages(step: Path) -> dict[str, tuple]:
     """Ways a saved checkpoint gets damaged, each with what export must say about it."""
     size = {path.name: path.stat().st_size for path in step.iterdir()}
+
+    def cut_short(name: str) -> tuple:
+        return lambda copy: truncate(copy / name), f"{name}: truncated to 1000 of {size[name]} bytes"
+
     return {
-        "a .distcp cut short": (
-            lambda copy: truncate(copy / "__1_0.distcp"),
-            f"__1_0.distcp: truncated to 1000 of {size['__1_0.distcp']} bytes",
-        ),
+        "a .distcp cut short": cut_short("__1_0.distcp"),
         "a .distcp with a flipped byte": (
             lambda copy: flip_a_byte(copy / "__0_0.distcp"),
             "__0_0.distcp: its CRC32 differs from the one saved: the content changed",
         ),
         "a .distcp gone": (lambda copy: (copy / "__1_0.distcp").unlink(), "__1_0.distcp: missing"),
-        "a .metadata cut short": (
-            lambda copy: truncate(copy / ".metadata"),
-            f".metadata: truncated to 1000 of {size['.metadata']} bytes",
-        ),
+        "a .metadata cut short": cut_short(".metadata"),
         "a garbled .metadata of the right size": (
             lambda copy: garble(copy / ".metadata"),
             ".metadata: unreadable, UnpicklingError: ",
