@@ -159,6 +159,14 @@ def v_schedules() -> Plan:
     return sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8), schedules=("1f1b", "zb-h1", "zb-v"))
 
 
+def program() -> Plan:
+    """The simulator against the run: 1F1B, ZB-H1 and ZB-V on two ranks and 1F1B on four, hidden 1024,
+    m in {4, 8} (``benchmarks.program_prediction``)."""
+    two = sweep(stages=(2,), hiddens=(1024,), microbatches=(4, 8), schedules=("1f1b", "zb-h1", "zb-v"))
+    four = sweep(stages=(4,), hiddens=(1024,), microbatches=(4, 8), schedules=("1f1b",))
+    return Plan(two.cases + four.cases, two.baseline_steps)
+
+
 def tiny() -> Plan:
     """Seconds: the smoke test's plan (two ranks, hidden 64, m = 2, two schedules)."""
     return sweep(stages=(2,), hiddens=(64,), microbatches=(2,), schedules=("1f1b", "zb-h1"), scale=0.7)

@@ -35,6 +35,7 @@ PLANS = {
     "least-compute": plan.least_compute,
     "tiny": plan.tiny,
     "v": plan.v_schedules,
+    "program": plan.program,
     "overhead": plan.nothing,
 }
 
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument(
         "--v", action="store_const", dest="plan", const="v", help="zb-v against zb-h1, 1f1b and torch's ZB-V"
     )
+    which.add_argument(
+        "--program", action="store_const", dest="plan", const="program",
+        help="the cases benchmarks.program_prediction sets beside the simulator",
+    )  # fmt: skip
     which.add_argument(
         "--overhead-only",
         action="store_const",

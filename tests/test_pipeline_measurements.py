@@ -57,18 +57,19 @@ def _peaks_and_spans(rank: int, world: int) -> dict:
 
 @contextlib.contextmanager
 def _counting_messages_held(pipe: schedule.Pipeline):
-    """The number of sent messages the rank still holds, read after each of its actions."""
-    held, execute = [], StepRun.execute
+    """The number of sent messages the rank still holds, read after each instruction of its program."""
+    held, run_program = [], StepRun.run
 
-    def counted(run: StepRun, action) -> None:
-        execute(run, action)
-        held.append(pipe.messenger.messages_held)
+    def counted(run: StepRun) -> None:
+        for instruction in run.program:
+            run.handlers[instruction.kind](instruction)
+            held.append(pipe.messenger.messages_held)
 
-    StepRun.execute = counted
+    StepRun.run = counted
     try:
         yield held
     finally:
-        StepRun.execute = execute
+        StepRun.run = run_program
 
 
 @pytest.fixture(scope="module")

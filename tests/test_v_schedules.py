@@ -9,6 +9,8 @@ gradients, and a malformed file is one error naming its row and cell.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,18 +126,34 @@ def test_pipeclocks_schedules_saved_as_csv_read_back_as_the_same_lists(name, p, 
 
 TORCH_KINDS = {
     "interleaved-1f1b": torch_schedules.ScheduleInterleaved1F1B,
+    "looped-bfs": torch_schedules.ScheduleLoopedBFS,
     "interleaved-zb": torch_schedules.ScheduleInterleavedZeroBubble,
     "zbv": torch_schedules.ScheduleZBVZeroBubble,
     "dualpipev": torch_schedules.ScheduleDualPipeV,
 }
 
 
-def write_torch_csvs(directory, p: int, m: int) -> dict[str, str]:
-    """Each torch schedule's CSV, written by torch's own writer."""
+def _stage_stand_in(p: int, stage: int, rank: int) -> SimpleNamespace:
+    """What torch's schedule classes read of a stage to build their lists: no module, no process group."""
+    return SimpleNamespace(num_stages=2 * p, group_size=p, group_rank=rank, stage_index=stage)
+
+
+def _torch_order(kind, p: int, m: int) -> dict[int, list]:
+    if kind is torch_schedules.ScheduleLoopedBFS:  # built as torch builds it, from stand-in stages
+        return kind([_stage_stand_in(p, 0, 0), _stage_stand_in(p, p, 0)], m).pipeline_order
+    return _torch_schedule(kind, p, m).pipeline_order
+
+
+def write_torch_csvs(directory, p: int, m: int, format: str = "compute_only") -> dict[str, str]:
+    """Each torch schedule's CSV, written by torch's own writer; ``compute_comms`` lowered by torch's
+    own lowering (``_PipelineScheduleRuntime``), with its sends, receives, unshards and reductions."""
     paths = {}
     for name, kind in TORCH_KINDS.items():
-        path = directory / f"{name}_p{p}_m{m}.csv"
-        _torch_schedule(kind, p, m)._dump_csv(str(path), format="compute_only")
+        path = directory / f"{name}_p{p}_m{m}_{format}.csv"
+        runtime = torch_schedules._PipelineScheduleRuntime([_stage_stand_in(p, 0, 0)], m)
+        runtime.pipeline_order = _torch_order(kind, p, m)
+        runtime._prepare_schedule_with_comms(runtime.pipeline_order)
+        runtime._dump_csv(str(path), format=format)
         paths[name] = str(path)
     return paths
 
@@ -161,9 +179,12 @@ def csv_gradient_gaps(rank: int, p: int, paths: dict[str, str]) -> dict[str, flo
     return gaps
 
 
+@pytest.mark.parametrize("format", ["compute_only", "compute_comms"])
 @pytest.mark.parametrize("p, m", [(2, 4), (3, 6)])
-def test_schedules_written_by_torchs_own_classes_run_and_give_the_one_process_gradients(p, m, tmp_path):
-    paths = write_torch_csvs(tmp_path, p, m)
+def test_schedules_written_by_torchs_own_classes_run_and_give_the_one_process_gradients(
+    p, m, format, tmp_path
+):
+    paths = write_torch_csvs(tmp_path, p, m, format)
     per_rank = run_ok(csv_gradient_gaps, p, paths)
     worst = {name: max(gaps[name] for gaps in per_rank) for name in paths}
     assert all(gap <= 1e-5 for gap in worst.values()), worst

@@ -1,35 +1,16 @@
-"""Communication derived from the actions: what a rank sends and receives, and to and from whom.
+"""How the program's messages travel: tags, headers, posted receives, sends let go, hand-overs.
 
-Nobody writes messages per schedule. The data flow of ``pipeclock.engine.actions`` fixes them:
-
-- after ``F`` of virtual stage s, its output goes to the owner of stage s + 1;
-- after ``B`` (or ``I``) of stage s, the gradient of its input goes to the owner of stage s - 1;
-- so ``F`` of stage s receives an activation, and its backward a gradient (unless s is an end).
-
-Who owns a stage is the schedule's placement: a loop, a V, or whatever a CSV file says.
-
-An activation is a pytree (``pipeclock.engine.pytree``): one tensor, or a tuple, list or dict of them.
-Each leaf is one message with its own tag (kind, leaf, stage, micro-batch), so on gloo arrival order does
-not matter and receives can be posted early (``expect_*``) to overlap the transfer with computation.
-Sends never block the sender. A send holds its tensor until it is waited for, and on gloo a send is
-done only once its receiver has posted the receive, which ``is_completed`` does not report before a
-wait. So a send is waited for as soon as it is known to be done: an activation's once its gradient comes
-back (the next stage computed that gradient from it, so it arrived); a gradient's once an activation
-comes from the rank it went to, sent by a forward that rank runs after the backward that took it (the
-schedule says which: ``sends_done_by``); any send left, in ``finish``.
-Waiting only in ``finish`` held every activation this rank sent until the end of the step, one per
-micro-batch, where 1F1B means to hold a few. When both stages live on this rank (one rank with several
-chunks) the tree is handed over in memory.
-
-A receiver cannot know the structure and shapes of an activation it has never seen (widths change
-between stages, a stage may hand on several tensors), so the first activation of each (stage,
-micro-batch size) is preceded by a header, and the layout is cached on both sides. Gradients need no
-header: one per floating-point leaf of the output they belong to, shaped like it.
-
-With a ``wire_dtype`` (bf16 under ``--dtype bf16``) every floating-point leaf travels in it, activations
-and gradients alike, and arrives widened back to the dtype it was sent from (the header and the output
-it is the gradient of say which): a float32 residual stream stays float32 on the next stage, rounded
-once at the cut. A hand-over within the rank is rounded alike, so the math does not depend on the
+The program (``pipeclock.engine.program``) says which message a rank sends or posts, and when; the
+messenger carries them out. An activation is a pytree (``pipeclock.engine.pytree``): each leaf is one
+message tagged (kind, leaf, stage, micro-batch), so on gloo arrival order does not matter. A receiver
+cannot know an activation's structure and shapes before it has seen one, so the first activation of
+each (stage, micro-batch size) is preceded by a header, kept on both sides until the inputs' shape key
+changes; a gradient is shaped like the output it belongs to. On gloo a send holds its tensor until it
+is waited for, and is done only once its receiver posted the receive: it is waited for as soon as it is
+known to be taken (an activation's once its gradient came back, a gradient's once the rank it went to
+sent an activation from a later forward: ``sends_done_by``), the rest in ``finish``. Two stages on one
+rank hand over in memory. With a ``wire_dtype`` (bf16) floating leaves travel in it and arrive widened
+back to their own dtype; a hand-over in memory is rounded alike, so the math does not depend on the
 placement.
 """
 
@@ -45,7 +26,6 @@ from pipeclock import comms
 from pipeclock.engine import pytree
 from pipeclock.engine.actions import Action
 from pipeclock.engine.placement import Placement
-from pipeclock.engine.receive_buffers import ReceiveBuffers
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 STEP = 3  # the batch size and the loss, once a step (``pipeclock.engine.step_ends``)
@@ -99,14 +79,14 @@ class Messenger:
         self.rank, self.placement = self.peers[rank], placement  # global ranks from here on
         self.wire_dtype = wire_dtype
         self._layouts: dict[tuple[int, int], pytree.Layout] = {}
-        self._announced: set[tuple[int, int]] = set()
+        self._announced: dict[tuple[int, int], list[torch.Size]] = {}  # (stage, size) -> leaf shapes sent
+        self._input_shapes: int | None = None  # the step's ``pytree.shape_key`` of the inputs
         self._header_carrier: dict[tuple[int, int], int] = {}  # (stage, size) -> micro-batch with the header
         self._incoming: dict[tuple[int, int, int], _Incoming] = {}
         self._local: dict[tuple[int, int, int], object] = {}
         self._sends: dict[tuple[int, int, int], list[comms.PendingSend]] = {}  # by message key
         self._done_by = sends_done_by(table, placement, rank) if table else {}
         self._gate: Callable[[], object] | None = None  # runs before this step's first message
-        self.buffers = ReceiveBuffers(comms.device())
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
         self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
@@ -134,6 +114,15 @@ class Messenger:
         self._gate = None
         self._local.clear()
 
+    def new_input_shapes(self, key: int) -> None:
+        """This step's inputs have shape key ``key`` (``pytree.shape_key``), the same on every rank: when it
+        differs from the last step's, the layouts learned are forgotten and headers travel again."""
+        if key != self._input_shapes:
+            self._input_shapes = key
+            self._announced.clear()
+            self._layouts.clear()
+            self._header_carrier.clear()
+
     # --- sending ---------------------------------------------------------------------------------------
 
     def send_activation(self, stage: int, microbatch: int, size: int, output: pytree.Tree) -> None:
@@ -144,13 +133,20 @@ class Messenger:
             self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(self._through_wire, output)
             return
         self._pass_gate()
-        if (target, size) not in self._announced:
+        announced = self._announced.get((target, size))
+        if announced is None:
             pytree.check_tensors(output, f"the output of stage {stage}")
-            self._announced.add((target, size))
+            self._announced[(target, size)] = [leaf.shape for leaf in pytree.leaves(output)]
             header = pytree.encode_header(output, comms.device())
             tag = message_tag(HEADER, target, microbatch)
             key = (ACTIVATION, target, microbatch)
             self._send(key, comms.isend(header, dest, tag, "sending an activation's structure"))
+        elif announced != [leaf.shape for leaf in pytree.leaves(output)]:
+            raise ValueError(
+                f"the output of stage {stage} is {pytree.describe(output)}, but was "
+                f"{[list(shape) for shape in announced]} for the same input shapes: a stage's output "
+                "shapes must follow from its input's"
+            )
         what = f"sending the activation of micro-batch {microbatch} for stage {target}"
         for leaf_index, leaf in enumerate(pytree.leaves(output)):
             tag = message_tag(ACTIVATION, target, microbatch, leaf_index)
@@ -250,8 +246,7 @@ class Messenger:
         for leaf, (shape, dtype) in enumerate(shapes):
             tag = message_tag(kind, stage, microbatch, leaf)
             wire = self._wire(dtype)
-            into = self.buffers.take(shape, wire)
-            pending = comms.irecv(shape, src, wire, tag, self._what(key), into)
+            pending = comms.irecv(shape, src, wire, tag, self._what(key))
             posted.append(pending if wire == dtype else _Widened(pending, dtype))
         return posted
 
@@ -272,10 +267,8 @@ class Messenger:
         return len(self._sends)
 
     def finish(self) -> None:
-        """Wait for every send of this step; nothing may be left half-received. Receive buffers the step
-        did not use are let go."""
+        """Wait for every send of this step; nothing may be left half-received."""
         self._pass_gate()  # a rank that sent nothing this step still checks what it was asked to
-        self.buffers.end_step()
         sends, self._sends = self._sends, {}
         for send in (send for posted in sends.values() for send in posted):
             send.wait()

@@ -38,13 +38,13 @@ from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.precision import Precision, parse_precision
+from pipeclock.engine.program import add_reduce_grad, lower, must_finish
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
+from pipeclock.engine.spans import Span
 from pipeclock.engine.step_ends import GIVEN_NONE, NOT_HERE, REJECTED, StepEnds
 from pipeclock.engine.step_run import BatchRefused, StageError, StepRun
 from pipeclock.engine.ties import TiedGradients
-from pipeclock.observe.simulate import simulate
-from pipeclock.observe.timeline import Span
 
 __all__ = ["BatchRefused", "Pipeline", "StageError", "StepRecord"]
 
@@ -89,7 +89,9 @@ class Pipeline:
     ``recompute`` (``"none"``, ``"full"``, ``"every-K"``: ``pipeclock.engine.recompute``) checkpoints the
     chunks' blocks, in place: the same math with less activation memory. ``dtype="bf16"`` runs the
     forwards under autocast with float32 weights and gradients, and sends bf16 messages
-    (``pipeclock.engine.precision``).
+    (``pipeclock.engine.precision``). ``receives`` is where the program posts receives
+    (``pipeclock.engine.program.lower``): one compute ahead, or just before the compute that uses them.
+    The program each rank runs is ``programs[rank]``; ``evaluate`` runs ``evaluation_programs``.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class Pipeline:
         replicas: Replicas | None = None,
         recompute: str | RecomputePolicy | None = None,
         dtype: str | Precision | None = None,
+        receives: str = "ahead",
     ):
         self.group = group
         self.peers = _group_ranks(group)  # global rank of each pipeline rank
@@ -138,6 +141,15 @@ class Pipeline:
         self.device = comms.device()
         self.ties = TiedGradients(self.chunks, group)
         self.last_backward = self._last_backward_actions()
+        replicated = self.replicas.group is not None
+        written = getattr(schedule, "programs", None)  # a compute_comms file runs as written
+        self.programs = (
+            [add_reduce_grad(program) if replicated else program for program in written]
+            if written
+            else lower(self.table, replicas=replicated, ties=True, receives=receives)
+        )
+        evaluation = [sorted((a for a in row if a.op == "F"), key=self._forward_order) for row in self.table]
+        self.evaluation_programs = lower(evaluation, placement=self.placement, receives=receives)
         self.ends = StepEnds(self.rank, self.peers, self.first_rank, self.last_rank, self.device)
         self._configuration_agreed = False
         _warn_about_batch_norm(self.global_rank, self.chunks)
@@ -176,8 +188,8 @@ class Pipeline:
         except ValueError as error:
             raise ValueError(f"rank {self.global_rank}: {error}") from None
         if not isinstance(schedule, str):
-            simulate(table)  # a custom schedule must be able to finish: DeadlockError if not
-        return join_first_stage_backwards(table)
+            must_finish(table)  # a custom schedule must be able to finish: DeadlockError if not
+        return table if getattr(table, "programs", None) else join_first_stage_backwards(table)
 
     def _check_placement(self, table: list[list[Action]]) -> None:
         held = len(self.placement.stages[self.rank]) if self.rank < self.placement.num_ranks else 0
@@ -190,10 +202,10 @@ class Pipeline:
                 f"but {len(self.chunks)} module(s) were given"
             )
 
-    def _last_backward_actions(self) -> dict[int, int]:
-        """For each chunk, the index of the action after which its gradients are complete for the step."""
+    def _last_backward_actions(self) -> dict[int, Action]:
+        """For each chunk, the action after which its gradients are complete for the step."""
         weights = "BW" if self.replicas.split_backward else "BI"
-        return {a.chunk: i for i, a in enumerate(self.actions) if a.op in weights}
+        return {a.chunk: a for a in self.actions if a.op in weights}
 
     def _forward_order(self, action: Action) -> tuple[int, int]:
         """Evaluation runs each micro-batch through the stages in pipeline order, on every rank alike."""
@@ -209,13 +221,10 @@ class Pipeline:
         them and the optimizer step stay the caller's.
         """
         start = time.perf_counter()
-        sizes = self._agree_on_batch(inputs, targets)
-        self.replicas.begin_step()
-        run = StepRun(self, sizes, inputs, targets)
+        run = StepRun(self, inputs, targets)
         with self.precision.step_region(self.device):
             run.run()
-        self.ties.sync()
-        loss = self._share_loss(run.loss)
+        loss = run.shared_loss
         peak = self.meter.peak if self.meter else None
         self.last = StepRecord(loss, time.perf_counter() - start, run.spans, peak, run.syncs, run.sent_bytes)
         self.steps_done += 1
@@ -227,9 +236,8 @@ class Pipeline:
         Every rank calls it together, like ``step``; the modules are in ``eval()`` mode meanwhile and
         return to their own mode after.
         """
-        sizes = self._agree_on_batch(inputs, targets)
         modes = [chunk.training for chunk in self.chunks]
-        run = StepRun(self, sizes, inputs, targets, training=False)
+        run = StepRun(self, inputs, targets, training=False)
         try:
             for chunk in self.chunks:
                 chunk.eval()
@@ -239,7 +247,7 @@ class Pipeline:
             for chunk, mode in zip(self.chunks, modes, strict=True):
                 chunk.train(mode)
             self.replicas.end_evaluation()
-        return self._share_loss(run.loss)
+        return run.shared_loss
 
     def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
         """Share the batch size and check it, the same way on every rank, before any pipeline message.
@@ -260,6 +268,7 @@ class Pipeline:
         faults.point("gather", self.steps_done)
         self.ends.send_batch_sizes(mine)
         if rejection is None and self._may_check_later(mine[0]):
+            self.messenger.new_input_shapes(mine[2])
             self.messenger.open_after(self._confirm_batch)
             return microbatch_sizes(mine[0], self.num_microbatches)
         return self._confirm_batch(rejection)
@@ -273,7 +282,8 @@ class Pipeline:
     def _confirm_batch(self, rejection: ValueError | None = None) -> list[int]:
         """Read the ends' batch sizes and check them: the micro-batch sizes, or ``BatchRefused`` on every
         rank of the pipeline (and of its replicas) alike."""
-        batch, target_batch = self.ends.batch_sizes()
+        batch, target_batch, input_shapes = self.ends.batch_sizes()
+        self.messenger.new_input_shapes(input_shapes)
         try:
             if rejection is not None:
                 raise ValueError(f"rank {self.global_rank}: {rejection}")
@@ -299,16 +309,18 @@ class Pipeline:
             raise ValueError(f"rank {self.global_rank}: {error}") from None
 
     def _sizes_given(self, inputs, targets) -> tuple[list[int], ValueError | None]:
-        """The batch sizes of the ends this rank holds (``NOT_HERE`` for the others), and the error that
-        one of them raised: it is raised once every rank has heard of it."""
+        """The batch sizes of the ends this rank holds and the inputs' shape key (``NOT_HERE`` for what it
+        does not hold), and the error that one of them raised: it is raised once every rank has heard."""
         held = (self.rank == self.first_rank, self.rank == self.last_rank)
-        mine, rejection = [NOT_HERE, NOT_HERE], None
+        mine, rejection = [NOT_HERE, NOT_HERE, NOT_HERE], None
         for index, tree, what in ((0, inputs, "the inputs"), (1, targets, "the targets")):
             if held[index]:
                 try:
                     mine[index] = _batch_size(tree, what)
                 except ValueError as error:
                     mine[index], rejection = REJECTED, error
+        if mine[0] >= 0:
+            mine[2] = pytree.shape_key(inputs)
         return mine, rejection
 
     def _check_batch(self, batch: int, target_batch: int) -> None:

@@ -13,6 +13,7 @@ gradient, so both sides always agree on which messages a backward sends.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,16 @@ def batch_size(tree: Tree, what: str) -> int:
     if len(sizes) != 1:
         raise ValueError(f"the leaves of {what} disagree on the batch size (dimension 0): {describe(tree)}")
     return sizes.pop()
+
+
+def shape_key(tree: Tree) -> int:
+    """A number in [0, 2**32) that changes with the structure, a dtype or a shape past dimension 0.
+
+    The inputs' key travels with the batch size: a step whose key differs from the last one's sends
+    new headers, so a sequence length that changes between steps is read with its own shapes.
+    """
+    flat, spec = pytree.tree_flatten(tree)
+    return zlib.crc32(repr((spec, [(leaf.dtype, tuple(leaf.shape[1:])) for leaf in flat])).encode())
 
 
 def split(tree: Tree, sizes: Sequence[int], device: torch.device) -> list[Tree]:

@@ -1,33 +1,14 @@
-"""The two small exchanges around a step: the batch size before it, the loss after it.
+"""The ``SIZES`` and ``LOSS`` words of a program: the batch sizes before a step, the loss after it.
 
 Only the first stage sees the inputs and only the last the targets, yet every rank needs the batch size
-(to cut it into micro-batches and post receives of the right size), and a bad batch must be one error
-raised alike on every rank before any pipeline message is sent. So when a step begins, the sizes the two
-ends were given travel to every rank, and every rank checks the same numbers. When the step ends, the
-last stage sends the loss to every rank.
-
-The sizes travel along the pipeline, about one message per rank. The first stage sends its size to the next
-rank (the hub), the last stage sends its own to the hub and to the first stage; the hub takes the larger
-of each pair and hands both on to the next rank, which hands them on in turn, up to the rank before the
-first. Every rank other than the first hands them on before its first forward, so they always reach a
-rank before the activation from the rank before it can; the ranks woken by them wake one after another,
-not all at once. That matters on a machine with fewer cores than ranks: each rank woken while the first
-stage computes its first forward can take that stage's core, and the activation that forward sends waits
-for a receive posted only once its sizes are there. With the first stage sending to every rank at the
-moment its first activation left, a four-rank step on two cores spent 0.7 ms more between the first two
-stages' forwards than ``torch.distributed.pipelining`` (``docs/benchmarks.md``).
-
-Point-to-point messages, not collectives, because of who waits. An all-reduce completes only when the
-last rank arrives, and the rank that opens a step is the one that finished the previous step last (its
-final backward closes the pipeline), so every step began with a ring's worth of latency on the critical
-path; the loss broadcast that closed the step added another. Here the first stage sends its size and goes
-straight on to its first forward: it reads the last stage's only before its first message leaves
-(``Pipeline._agree_on_batch``), while the others, who could only wait for its activation anyway, read
-the sizes at once. The loss's receives are posted when the step begins, so the loss is already there
-when a rank finishes its last backward.
-
-What cannot change between steps (the micro-batch count, the chunks, the schedule) is agreed once, with
-one all-reduce on the first step (``Pipeline._agree_on_configuration``).
+(to cut micro-batches and post receives of the right size) and the inputs' shape key
+(``pytree.shape_key``), and a bad batch must be one error on every rank before any activation is sent.
+So the ends' sizes travel along the pipeline: the first stage sends its own to the next rank (the
+hub), the last stage its own to the hub and to the first stage, and each rank hands the pair on to the
+next before its first forward. The first stage does not wait for them: it checks the last stage's size
+just before its first message leaves (``Messenger.open_after``). The last stage sends the loss to every
+rank; the others post its receive when the step begins. Point-to-point messages rather than one
+collective each: ``docs/benchmarks.md`` ("the batch size and the loss as messages") measures the gain.
 """
 
 from __future__ import annotations
@@ -84,29 +65,30 @@ class StepEnds:
     def send_batch_sizes(self, mine: list[int]) -> None:
         """Send this rank's batch sizes (if it holds an end) and post the receives of the others'.
 
-        ``mine`` is this rank's [inputs' batch size, targets' batch size], ``NOT_HERE`` for an end it
-        does not hold. A size sent is waited for when the step ends (``share_loss``): by then every
-        rank has read it, so the sender never waits for a rank still busy with the previous step.
+        ``mine`` is this rank's [inputs' batch size, targets' batch size, inputs' ``pytree.shape_key``],
+        ``NOT_HERE`` for what it does not hold. A size sent is waited for when the step ends
+        (``share_loss``): by then every rank has read it, so the sender never waits for a rank still busy
+        with the previous step.
         """
         self._mine = torch.tensor(mine, dtype=torch.int64, device=self.device)
         for recipient in self._recipients:
             self._send(self._mine, recipient, BATCH_TAG, "sending the batch size")
         self._sizes = [
-            comms.irecv((2,), self.peers[sender], torch.int64, BATCH_TAG, "receiving the batch size")
+            comms.irecv((3,), self.peers[sender], torch.int64, BATCH_TAG, "receiving the batch size")
             for sender in self._senders
         ]
 
-    def batch_sizes(self) -> tuple[int, int]:
-        """(the first stage's batch size, the last stage's), the same on every rank, once
-        ``send_batch_sizes`` has posted this rank's part; handed on to the next rank first."""
+    def batch_sizes(self) -> tuple[int, int, int]:
+        """(the first stage's batch size, the last stage's, the inputs' shape key), the same on every
+        rank, once ``send_batch_sizes`` has posted this rank's part; handed on to the next rank first."""
         values, self._mine = self._mine, None
         pending, self._sizes = self._sizes, []
         for received in pending:
             values = torch.maximum(values, received.wait())
         if self._hand_on_to is not None:
             self._send(values, self._hand_on_to, BATCH_TAG, "handing on the batch size")
-        batch, target_batch = values.tolist()
-        return batch, target_batch
+        batch, target_batch, shapes = values.tolist()
+        return batch, target_batch, shapes
 
     def expect_loss(self) -> None:
         """Post the receive of the loss now, so that it can arrive while the step runs.

@@ -1,9 +1,11 @@
-"""One step (or one evaluation) on one rank: the clock-cycle loop over this rank's actions.
+"""One step (or one evaluation) on one rank: the runtime of this rank's program.
 
-A ``Pipeline`` builds a ``StepRun`` for each ``step`` or ``evaluate``. It cuts the batch into
-micro-batches, walks the rank's actions in order, and for each one receives what the action needs (posted
-one tick ahead), runs it, and sends what it produced. It keeps each micro-batch's stash from its ``F``
-until its last backward action, the loss, the measured spans, and the data-parallel sums.
+A ``Pipeline`` builds a ``StepRun`` for each ``step`` or ``evaluate``. It walks the rank's program
+(``pipeclock.engine.program``) and hands each instruction to one small handler: ``SIZES`` agrees on the
+batch and cuts it, ``RECV_*`` post receives, compute runs a chunk forward or backward (taking the data
+its receive brought), ``SEND_*`` send what the compute kept, ``REDUCE_GRAD`` sums over replicas,
+``SUM_TIED`` and ``LOSS`` close the step once every send is done. It keeps each micro-batch's stash from
+its ``F`` until its last backward, the loss, the measured spans, and the data-parallel sums.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pipeclock.engine.backward import (
     nothing_to_accumulate,
 )
 from pipeclock.engine.losses import loss_scales
-from pipeclock.observe.timeline import Span
+from pipeclock.engine.program import Instruction
+from pipeclock.engine.spans import Span
 
 
 class StageError(RuntimeError):
@@ -53,56 +56,135 @@ class _Stash:
 
 
 class StepRun:
-    """The state of one step (or one evaluation) on one rank: micro-batches, stashes, loss and spans."""
+    """The state of one step (or one evaluation) on one rank: micro-batches, stashes, loss and spans.
 
-    def __init__(self, pipe, sizes: list[int], inputs, targets, training: bool = True):
-        self.pipe, self.sizes, self.training = pipe, sizes, training
-        self.actions = pipe.actions if training else pipe.forward_actions
-        # per action, worked out once a step rather than once a tick: its virtual stage, and whether the
-        # data-parallel sum of its chunk's gradients follows it
-        self.stages = [pipe.placement.stage(pipe.rank, a.chunk) for a in self.actions]
-        replicated = training and pipe.replicas.group is not None
-        self.syncs_after = [
-            replicated and pipe.last_backward.get(a.chunk) == i for i, a in enumerate(self.actions)
-        ]
+    ``run`` walks this rank's program (``pipeclock.engine.program``) and hands each instruction to the
+    handler of its kind; nothing here knows which schedule it runs.
+    """
+
+    def __init__(self, pipe, inputs, targets, training: bool = True):
+        self.pipe, self.training = pipe, training
+        self.program = pipe.programs[pipe.rank] if training else pipe.evaluation_programs[pipe.rank]
+        self.given = (inputs, targets)
         self.synchronizes_device = pipe.device.type == "cuda"
+        self.stash: dict[tuple[int, int], _Stash] = {}
+        self.outgoing: dict[tuple[str, int, int], object] = {}  # what a SEND_F / SEND_B sends
+        self.loss: torch.Tensor | None = None
+        self.shared_loss = 0.0
+        self.spans: list[Span] = []
+        self.syncs: list[tuple[float, float]] = []
+        self.sent_bytes = 0
+        self.meter = pipe.meter
+        self.handlers = {
+            "SIZES": self.agree_on_batch,
+            "F": self.timed,
+            "B": self.timed,
+            "I": self.timed,
+            "W": self.timed,
+            "RECV_F": self.post_activation,
+            "RECV_B": self.post_gradient,
+            "SEND_F": self.send,
+            "SEND_B": self.send,
+            "UNSHARD": _nothing,  # FSDP2 gathers and frees in its own hooks
+            "RESHARD": _nothing,
+            "REDUCE_GRAD": self.reduce_grad,
+            "SUM_TIED": self.sum_tied,
+            "LOSS": self.share_loss,
+        }
+
+    def run(self) -> None:
+        for instruction in self.program:
+            self.handlers[instruction.kind](instruction)
+
+    # --- the step-wide words ---------------------------------------------------------------------------
+
+    def agree_on_batch(self, _instruction: Instruction) -> None:
+        """Agree on the batch (``Pipeline._agree_on_batch``), then cut it into micro-batches."""
+        pipe, (inputs, targets) = self.pipe, self.given
+        self.sizes = sizes = pipe._agree_on_batch(inputs, targets)
+        if self.training:
+            pipe.replicas.begin_step()
         self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
         self.inputs = pytree.split(inputs, sizes, pipe.device) if pipe.rank == pipe.first_rank else None
         self.targets = None
         if pipe.rank == pipe.last_rank:
             self.targets = pytree.split(targets, sizes, pipe.device)
             self.scales = loss_scales(pipe.loss_fn, self.targets, sizes, pipe.global_total)
-        self.stash: dict[tuple[int, int], _Stash] = {}
-        self.loss: torch.Tensor | None = None
-        self.spans: list[Span] = []
-        self.syncs: list[tuple[float, float]] = []
-        self.meter = pipe.meter
         if self.meter:
             self.meter.reset()
+        pipe.messenger.sent_bytes = 0
 
-    def prefetch(self, index: int) -> None:
-        """Post the receive that action ``index`` will need, so its data arrives during this tick."""
-        if index >= len(self.actions):
-            return
-        action, stage, mb = self.actions[index], self.stages[index], self.actions[index].microbatch
-        if action.op == "F" and stage > 0:
-            self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
-        elif action.op in "BI" and stage < self.pipe.num_virtual - 1 and (mb, action.chunk) in self.stash:
-            self.pipe.messenger.expect_gradient(stage, mb, self.stash[(mb, action.chunk)].output)
+    def _messages_done(self) -> None:
+        """Before the words that end a step: every send waited for, nothing left half-received."""
+        if self.pipe.messenger is not None and not getattr(self, "_finished", False):
+            self._finished = True
+            self.pipe.messenger.finish()
+            self.sent_bytes = self.pipe.messenger.sent_bytes
+            self.syncs += self.pipe.replicas.take_sync_times()
 
-    def run(self) -> None:
-        self.pipe.messenger.sent_bytes = 0
-        self.prefetch(0)
-        for index, action in enumerate(self.actions):
-            if index > 0 or not self.pipe.messenger.gated:  # a gated first action posts its own
-                self.prefetch(index + 1)  # receives are posted in action order, one tick ahead
-            self.index, self.stage = index, self.stages[index]
-            self.execute(action)
-            if self.syncs_after[index]:
-                self.sync_replicas(action.chunk)
-        self.pipe.messenger.finish()
-        self.sent_bytes = self.pipe.messenger.sent_bytes
-        self.syncs += self.pipe.replicas.take_sync_times()
+    def sum_tied(self, _instruction: Instruction) -> None:
+        self._messages_done()
+        self.pipe.ties.sync()
+
+    def share_loss(self, _instruction: Instruction) -> None:
+        self._messages_done()
+        self.shared_loss = self.pipe._share_loss(self.loss)
+
+    # --- messages --------------------------------------------------------------------------------------
+
+    def post_activation(self, instruction: Instruction) -> None:
+        stage, mb = instruction.stage, instruction.microbatch
+        self.pipe.messenger.expect_activation(stage, mb, self.sizes[mb])
+
+    def post_gradient(self, instruction: Instruction) -> None:
+        stage, mb = instruction.stage, instruction.microbatch
+        stash = self.stash.get((mb, self.pipe.placement.owner(stage)[1]))
+        if stash is None:
+            raise StageError(
+                f"rank {self.pipe.global_rank}: {instruction} comes before the forward of micro-batch "
+                f"{mb} on stage {stage}: the gradient's shape is its output's"
+            )
+        self.pipe.messenger.expect_gradient(stage, mb, stash.output)
+
+    def send(self, instruction: Instruction) -> None:
+        kind, stage, mb = instruction.kind, instruction.stage, instruction.microbatch
+        key = (kind, stage, mb)
+        if key not in self.outgoing:
+            raise StageError(f"rank {self.pipe.global_rank}: {instruction} comes before the compute it sends")
+        payload, action = self.outgoing.pop(key)
+        self._deliver(kind, stage, mb, payload, action)
+        faults.point("send", self.pipe.steps_done)
+
+    def _hand_on(self, kind: str, stage: int, mb: int, payload, action: Action) -> None:
+        """Keep what a SEND will send, or hand it over in memory to a stage on this rank."""
+        target = stage + 1 if kind == "SEND_F" else stage - 1
+        if self.pipe.placement.owner(target)[0] != self.pipe.rank:
+            self.outgoing[(kind, stage, mb)] = (payload, action)
+        else:
+            self._deliver(kind, stage, mb, payload, action)
+
+    def _deliver(self, kind: str, stage: int, mb: int, payload, action: Action) -> None:
+        messenger = self.pipe.messenger
+        try:
+            if kind == "SEND_F":
+                messenger.send_activation(stage, mb, self.sizes[mb], payload)
+            else:
+                messenger.send_gradient(stage, mb, payload)
+        except (comms.CommError, BatchRefused):
+            raise
+        except Exception as error:
+            raise StageError(
+                f"rank {self.pipe.global_rank}: {action} (virtual stage {stage}) failed: {error}"
+            ) from error
+
+    def reduce_grad(self, instruction: Instruction) -> None:
+        self.sync_replicas(self.pipe.placement.owner(instruction.stage)[1])
+
+    # --- compute ---------------------------------------------------------------------------------------
+
+    def timed(self, instruction: Instruction) -> None:
+        self.stage = instruction.stage
+        self.execute(instruction.action)
 
     def sync_replicas(self, chunk: int) -> None:
         """The chunk's gradients are complete: the data-parallel engine sums them across replicas."""
@@ -165,8 +247,7 @@ class StepRun:
             self.loss = root.detach() if self.loss is None else self.loss + root.detach()
         else:
             root = None
-            pipe.messenger.send_activation(stage, mb, self.sizes[mb], output)
-            faults.point("send", pipe.steps_done)
+            self._hand_on("SEND_F", stage, mb, output, action)
         if self.training:
             self.stash[(mb, action.chunk)] = _Stash(stage_input, output, root, self._captured)
             if self.meter:
@@ -209,7 +290,7 @@ class StepRun:
         inputs = [leaf for leaf in pytree.gradient_leaves(stash.stage_input) if leaf.requires_grad]
         replicas = pipe.replicas
         deferred = action.op == "I" and replicas.split_backward  # the weights' half waits for a W
-        if not replicas.split_backward and pipe.last_backward[action.chunk] == self.index:
+        if not replicas.split_backward and pipe.last_backward[action.chunk] == action:
             replicas.before_last_backward(action.chunk, roots)
         if self._runs_whole(deferred, stash.captured):
             input_grads = backward_whole(roots, grads, inputs)  # plain autograd, same result
@@ -228,7 +309,7 @@ class StepRun:
                 self._done(*key)
         faults.point(action.op, pipe.steps_done)
         if stage > 0:
-            pipe.messenger.send_gradient(stage, mb, input_grads)
+            self._hand_on("SEND_B", stage, mb, input_grads, action)
 
     def _runs_whole(self, deferred: bool, captured: list) -> bool:
         """Whether this backward is one autograd call rather than B then W.
@@ -260,6 +341,10 @@ class StepRun:
         del self.stash[(mb, chunk)]
         if self.meter:
             self.meter.release((mb, chunk))
+
+
+def _nothing(_instruction: Instruction) -> None:
+    pass
 
 
 def _shape(module, chunk: int, stage_input, training: bool) -> tuple:

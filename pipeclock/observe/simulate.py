@@ -20,14 +20,13 @@ from pipeclock.engine.actions import (
     produces,
     validate,
 )
+from pipeclock.engine.program import DeadlockError
 from pipeclock.observe.timeline import Span, Timeline
+
+__all__ = ["DEFAULT_COSTS", "DeadlockError", "default_costs", "simulate"]
 
 # A whole backward costs twice a forward; split, each half costs one: F + B = F + I + W.
 DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-
-
-class DeadlockError(RuntimeError):
-    """The schedule can never finish: every unfinished rank waits for something that cannot happen."""
 
 
 def default_costs(schedule: Schedule | None = None) -> dict[str, float]:

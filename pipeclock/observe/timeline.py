@@ -8,33 +8,8 @@ are judged by the same code.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from pipeclock.engine.actions import Action
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Rank ``rank`` ran ``action`` from ``start`` to ``end``.
-
-    Times are in any unit (simulator units, seconds) as long as a timeline uses one. ``wait`` is the part
-    of the span spent blocked on communication rather than computing (always 0 in the simulator).
-    """
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-    wait: float = 0.0
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def compute(self) -> float:
-        """Time actually spent computing: the span minus its communication wait."""
-        return self.duration - self.wait
+from pipeclock.engine.spans import Span
 
 
 class Timeline:

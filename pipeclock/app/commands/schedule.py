@@ -4,6 +4,7 @@ python -m pipeclock schedule 1f1b --stages 4 --microbatches 8 --png 1f1b.png
 python -m pipeclock schedule --compare --stages 4 --microbatches 8 --png compare.png
 python -m pipeclock schedule --schedule-csv zbv.csv             # a schedule written by another engine
 python -m pipeclock schedule zb-v -p 4 -m 8 --save-csv zbv.csv   # and the other way
+python -m pipeclock schedule 1f1b -p 2 -m 3 --program               # what each rank sends and receives
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import sys
 from pathlib import Path
 
 from pipeclock.app.arguments import check_output, non_negative_float, positive_int
+from pipeclock.engine import program
 from pipeclock.engine.actions import Schedule, join_first_stage_backwards, num_chunks, placement_of
-from pipeclock.engine.csv_schedule import load_csv, save_csv
+from pipeclock.engine.csv_schedule import FORMATS, load_csv, save_csv
 from pipeclock.engine.generators import (
     SCHEDULES,
     bubble_formula,
@@ -66,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--save-csv", metavar="FILE", help="also write the schedule in that CSV format")
     parser.add_argument(
+        "--format", choices=FORMATS, default="compute_only",
+        help="--save-csv's format: the compute actions (default), or the program with its messages",
+    )  # fmt: skip
+    parser.add_argument(
+        "--program", action="store_true",
+        help="print each rank's program: its compute and the messages it sends and receives",
+    )  # fmt: skip
+    parser.add_argument(
         "--latency", metavar="L", type=non_negative_float, default=0.0,
         help="time each hop between ranks takes, in stage forwards",
     )  # fmt: skip
@@ -100,9 +110,12 @@ def _show_one(args: argparse.Namespace) -> int:
             f"as run            stage 0's I, W pairs run as one B ({joined} of {m} micro-batches): "
             "nothing waits for its input gradient"
         )
+    if args.program:
+        print()
+        print(_program_text(schedule))
     if args.save_csv:
         Path(args.save_csv).parent.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {save_csv(schedule, args.save_csv)}")
+        print(f"wrote {save_csv(schedule, args.save_csv, args.format)}")
     if args.png:
         print(f"drew {draw_png(timeline, args.png, title=name)}")
     return 0
@@ -126,6 +139,16 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
         )
     p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
     return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
+
+
+def _program_text(schedule: Schedule) -> str:
+    """Each rank's program as the engine runs it, then the words it uses."""
+    programs = getattr(schedule, "programs", None) or program.lower(
+        join_first_stage_backwards(schedule), ties=True
+    )
+    used = {instruction.kind for rank in programs for instruction in rank}
+    words = [f"  {kind:<12}{program.WORDS[kind]}" for kind in program.KINDS if kind in used]
+    return "\n".join(["program (one line per rank, in order):", program.describe(programs), "", *words])
 
 
 def _joined_backwards(schedule: Schedule) -> int:

@@ -1,0 +1,421 @@
+"""The step as a program: a schedule lowered to each rank's ordered list of instructions.
+
+A schedule says what each rank computes (``F``, ``B``, ``I``, ``W``) and where each virtual stage
+lives. ``lower`` adds what the step exchanges, in torch's words where torch has them:
+
+- ``RECV_F`` / ``RECV_B`` *post* the receive of a stage's input activation / output gradient; the
+  compute that uses the data waits for it there, not at the ``RECV``;
+- ``SEND_F`` / ``SEND_B`` send a stage's output forward / its input's gradient back, right after the
+  compute that made it (a send never blocks the sender);
+- ``REDUCE_GRAD`` sums a stage's gradients over the data-parallel replicas, after its last backward
+  (only when replicas exist);
+- and three words of our own, for what a step does once: ``SIZES`` (the batch sizes and the inputs'
+  shape key reach every rank, first), ``SUM_TIED`` (tied weights' gradients summed across stages) and
+  ``LOSS`` (the last stage's loss reaches every rank, last).
+
+Lowering choices, visible in the program: a rank posts the receive of its next compute one compute
+ahead, so the data travels while it computes (the gradient of a forward it has not run yet is posted
+just before the backward: its shape comes from that forward's output); the rank holding stage 0 posts
+nothing before its first forward, which runs while the sizes travel; two stages on one rank hand over
+in memory, with no message. ``simulate_program`` runs the same lists with costs for compute and
+messages; ``check`` refuses a program whose messages do not match or that cannot finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipeclock.engine.actions import Action, placement_of
+from pipeclock.engine.placement import Placement
+
+COMPUTE = ("F", "B", "I", "W")
+MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+REPLICAS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+STEP = ("SIZES", "SUM_TIED", "LOSS")
+KINDS = COMPUTE + MESSAGES + REPLICAS + STEP
+RECEIVES = ("ahead", "at_use")  # where a receive is posted: the lowering's choice
+WORDS = {
+    "F": "forward of a micro-batch through a stage",
+    "B": "the whole backward of a micro-batch through a stage",
+    "I": "the input-gradient half of a backward",
+    "W": "the weight-gradient half of a backward, after its I",
+    "SEND_F": "send a stage's output activation to the next stage",
+    "RECV_F": "post the receive of a stage's input activation (F waits for it)",
+    "SEND_B": "send the gradient of a stage's input to the previous stage",
+    "RECV_B": "post the receive of the gradient of a stage's output (B or I waits for it)",
+    "UNSHARD": "gather a stage's sharded parameters (torch's word; FSDP2 does it in its own hooks)",
+    "RESHARD": "free a stage's gathered parameters (torch's word; FSDP2 does it in its own hooks)",
+    "REDUCE_GRAD": "sum a stage's gradients over the data-parallel replicas",
+    "SIZES": "pipeclock: the batch sizes and the inputs' shape key reach every rank",
+    "SUM_TIED": "pipeclock: tied weights' gradients summed across the stages that hold a copy",
+    "LOSS": "pipeclock: the last stage's loss reaches every rank",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """One step of one rank's program. ``stage`` is the virtual stage (None for a step-wide word);
+    ``peer`` the rank at the other end of a message; ``action`` the compute action (local chunk)."""
+
+    kind: str
+    stage: int | None = None
+    microbatch: int | None = None
+    peer: int | None = None
+    action: Action | None = None
+
+    def __str__(self) -> str:
+        """torch's cell text: ``2F0``, ``1SEND_F3``, ``0REDUCE_GRAD``; a step-wide word alone."""
+        if self.stage is None:
+            return self.kind
+        return f"{self.stage}{self.kind}" + ("" if self.microbatch is None else str(self.microbatch))
+
+    __repr__ = __str__
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+
+Program = list[Instruction]
+
+
+class ProgramError(ValueError):
+    """A program that cannot run: a message without its partner, or one posted twice."""
+
+
+class DeadlockError(RuntimeError):
+    """The schedule (or program) can never finish: every unfinished rank waits for what cannot happen."""
+
+
+def lower(
+    schedule: Sequence[Sequence[Action]],
+    *,
+    replicas: bool = False,
+    ties: bool = False,
+    placement: Placement | None = None,
+    receives: str = "ahead",
+) -> list[Program]:
+    """Every rank's program for ``schedule`` (a pure function of the schedule and its options).
+
+    ``receives="ahead"`` posts each receive one compute before the compute that uses it;
+    ``"at_use"`` just before it (torch's own checker, which takes a receive to block until its send,
+    accepts only these).
+    """
+    if receives not in RECEIVES:
+        raise ValueError(f"receives must be one of {', '.join(RECEIVES)}, got {receives!r}")
+    placement = placement or placement_of(schedule)
+    ahead = receives == "ahead"
+    return [
+        _lower_rank(rank, list(actions), placement, replicas, ties, ahead)
+        for rank, actions in enumerate(schedule)
+    ]
+
+
+def _lower_rank(
+    rank: int, actions: list[Action], placement: Placement, replicas: bool, ties: bool, ahead: bool
+) -> Program:
+    program: Program = [Instruction("SIZES")]
+    holds_first = placement.owner(0)[0] == rank
+    posted: set[Instruction] = set()
+    last_backward = _last_backwards(actions)
+    groups = _groups(actions)
+
+    def post(group: int, computed: int) -> None:
+        """Post the receives ``groups[group]`` needs, with ``computed`` actions done so far."""
+        for index in groups[group] if group < len(groups) else ():
+            receive = _receive_for(rank, actions[index], placement)
+            if receive is None or receive in posted:
+                continue
+            if receive.kind == "RECV_B" and not _forward_done(actions, index, computed):
+                continue  # the gradient's shape is the output's: posted once the forward ran
+            posted.add(receive)
+            program.append(receive)
+
+    for number, group in enumerate(groups):
+        runs_ahead = number == 0 and holds_first  # stage 0's first forward runs while the sizes travel
+        if not runs_ahead:
+            post(number, group[0])
+            if ahead:
+                post(number + 1, group[0])
+        for index in group:
+            action = actions[index]
+            program.append(Instruction(action.op, placement.stage(rank, action.chunk), action.microbatch,
+                                       action=action))  # fmt: skip
+        for index in group:  # a pair sends after both halves, as torch's OVERLAP_F_B does
+            send = _send_after(rank, actions[index], placement)
+            if send is not None:
+                program.append(send)
+            chunk = actions[index].chunk
+            if replicas and last_backward.get(chunk) == index:
+                program.append(Instruction("REDUCE_GRAD", placement.stage(rank, chunk)))
+        if runs_ahead and ahead:
+            post(number + 1, group[-1] + 1)
+    if ties:
+        program.append(Instruction("SUM_TIED"))
+    program.append(Instruction("LOSS"))
+    return program
+
+
+def add_reduce_grad(program: Program) -> Program:
+    """``program`` with a ``REDUCE_GRAD`` after each stage's last backward where it has none (a
+    program written for one pipeline, run with replicas)."""
+    reduced = {i.stage for i in program if i.kind == "REDUCE_GRAD"}
+    last = {i.stage: n for n, i in enumerate(program) if i.kind in ("B", "W")}
+    out: Program = []
+    for index, instruction in enumerate(program):
+        out.append(instruction)
+        if instruction.stage not in reduced and last.get(instruction.stage) == index:
+            out.append(Instruction("REDUCE_GRAD", instruction.stage))
+    return out
+
+
+def _groups(actions: list[Action]) -> list[list[int]]:
+    """The indices of ``actions`` in the groups that run together: one action, or an overlapped pair."""
+    groups: list[list[int]] = []
+    index = 0
+    while index < len(actions):
+        size = 2 if actions[index].overlap and index + 1 < len(actions) else 1
+        groups.append(list(range(index, index + size)))
+        index += size
+    return groups
+
+
+def _forward_done(actions: list[Action], index: int, computed: int) -> bool:
+    action = actions[index]
+    return Action("F", action.microbatch, action.chunk) in actions[:computed]
+
+
+def _last_backwards(actions: list[Action]) -> dict[int, int]:
+    """For each chunk, the index of the action that completes its gradients (its last B or W)."""
+    return {a.chunk: i for i, a in enumerate(actions) if a.op in ("B", "W")}
+
+
+def _receive_for(rank: int, action: Action, placement: Placement) -> Instruction | None:
+    stage = placement.stage(rank, action.chunk)
+    if action.op == "F" and stage > 0:
+        sender = placement.owner(stage - 1)[0]
+        return None if sender == rank else Instruction("RECV_F", stage, action.microbatch, sender)
+    if action.op in ("B", "I") and stage < placement.num_virtual - 1:
+        sender = placement.owner(stage + 1)[0]
+        return None if sender == rank else Instruction("RECV_B", stage, action.microbatch, sender)
+    return None
+
+
+def _send_after(rank: int, action: Action, placement: Placement) -> Instruction | None:
+    stage = placement.stage(rank, action.chunk)
+    if action.op == "F" and stage < placement.num_virtual - 1:
+        receiver = placement.owner(stage + 1)[0]
+        return None if receiver == rank else Instruction("SEND_F", stage, action.microbatch, receiver)
+    if action.op in ("B", "I") and stage > 0:
+        receiver = placement.owner(stage - 1)[0]
+        return None if receiver == rank else Instruction("SEND_B", stage, action.microbatch, receiver)
+    return None
+
+
+# --- checking and simulating -------------------------------------------------------------------------
+
+
+def message_key(instruction: Instruction) -> tuple[str, int, int]:
+    """What pairs a send with its receive: (direction, receiving stage, micro-batch)."""
+    assert instruction.stage is not None and instruction.microbatch is not None
+    if instruction.kind == "SEND_F":
+        return "F", instruction.stage + 1, instruction.microbatch
+    if instruction.kind == "SEND_B":
+        return "B", instruction.stage - 1, instruction.microbatch
+    return instruction.kind[-1], instruction.stage, instruction.microbatch
+
+
+def check(programs: Sequence[Program]) -> None:
+    """Raise ``ProgramError`` unless every send has exactly one receive and the reverse, between the
+    ranks that hold the two stages, and every remote input is posted before the compute that uses it."""
+    sends: dict[tuple[str, int, int], tuple[int, Instruction]] = {}
+    receives: dict[tuple[str, int, int], tuple[int, Instruction]] = {}
+    for rank, program in enumerate(programs):
+        for instruction in program:
+            if instruction.kind not in MESSAGES:
+                continue
+            table = sends if instruction.kind.startswith("SEND") else receives
+            key = message_key(instruction)
+            if key in table:
+                raise ProgramError(f"rank {rank}: {instruction} appears twice (also on rank {table[key][0]})")
+            table[key] = (rank, instruction)
+    for key, (rank, instruction) in sends.items():
+        if key not in receives:
+            raise ProgramError(
+                f"rank {rank}: {instruction} has no matching receive on rank {instruction.peer}"
+            )
+        receiver, receive = receives[key]
+        if receiver != instruction.peer or receive.peer != rank:
+            raise ProgramError(f"rank {rank}: {instruction} goes to rank {instruction.peer}, but {receive} "
+                               f"is on rank {receiver} and expects rank {receive.peer}")  # fmt: skip
+    for key, (rank, instruction) in receives.items():
+        if key not in sends:
+            raise ProgramError(f"rank {rank}: {instruction} has no matching send on rank {instruction.peer}")
+
+
+@dataclass
+class ProgramTimeline:
+    """When each rank ran each instruction: ``spans[rank]`` is (instruction, start, end) in order."""
+
+    spans: list[list[tuple[Instruction, float, float]]]
+
+    @property
+    def makespan(self) -> float:
+        return max((end for rank in self.spans for _, _, end in rank), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        return sum(end - start for instruction, start, end in self.spans[rank] if instruction.is_compute)
+
+    @property
+    def bubble(self) -> float:
+        """The share of rank-time spent not computing, over the makespan."""
+        total = self.makespan * len(self.spans)
+        return 1.0 - sum(self.busy(r) for r in range(len(self.spans))) / total if total else 0.0
+
+
+Cost = Callable[[int, Instruction], float]
+
+
+def must_finish(schedule: Sequence[Sequence[Action]]) -> None:
+    """Raise ``DeadlockError`` if ``schedule``'s program can never finish (compute and messages alike)."""
+    simulate_program(lower(schedule), lambda _rank, _instruction: 1.0)
+
+
+def simulate_program(
+    programs: Sequence[Program],
+    compute: Cost,
+    latency: float = 0.0,
+    bandwidth: float | None = None,
+    message_bytes: Callable[[Instruction], float] = lambda _: 0.0,
+    step_seconds: float = 0.0,
+) -> ProgramTimeline:
+    """Run ``programs`` on paper: each rank in order, a compute starting once the rank is free and its
+    inputs exist (data from another rank once its message arrived; from this rank, once computed). A
+    message leaves when both its send and its receive are posted and takes ``latency + bytes /
+    bandwidth``; ``SIZES`` and ``LOSS`` each cost ``step_seconds``. Raises ``DeadlockError`` naming
+    what each stuck rank waits for if some rank can never go on."""
+    run = _ProgramRun(programs, latency, bandwidth, message_bytes)
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(len(programs)):
+            while run.advance(rank, compute, step_seconds):
+                moved = True
+    if not run.finished:
+        raise DeadlockError(run.deadlock_report())
+    return ProgramTimeline(run.spans)
+
+
+Need = tuple[str, int, int]  # ("F" or "B" or "I", stage, micro-batch): what a compute uses
+
+
+class _ProgramRun:
+    """The state of a simulated program: where each rank is, when it is free, what exists and when."""
+
+    def __init__(self, programs, latency: float, bandwidth: float | None, message_bytes) -> None:
+        self.programs, self.latency, self.bandwidth = programs, latency, bandwidth
+        self.message_bytes = message_bytes
+        self.position = [0] * len(programs)
+        self.free_at = [0.0] * len(programs)
+        self.posted: dict[Need, float] = {}  # receives posted, by message key
+        self.sent: dict[Need, tuple[float, float]] = {}  # sends posted: (time, bytes)
+        self.computed: list[dict[Need, float]] = [{} for _ in programs]
+        self.spans: list[list[tuple[Instruction, float, float]]] = [[] for _ in programs]
+        self.receives = [{message_key(i) for i in p if i.kind in ("RECV_F", "RECV_B")} for p in programs]
+        self.backward_stages = {i.stage for p in programs for i in p if i.kind in ("B", "I")}
+
+    @property
+    def finished(self) -> bool:
+        return all(pos == len(p) for pos, p in zip(self.position, self.programs, strict=True))
+
+    def advance(self, rank: int, compute: Cost, step_seconds: float) -> bool:
+        """Run the rank's next instruction if it can start; False if it must wait (or is done)."""
+        if self.position[rank] == len(self.programs[rank]):
+            return False
+        instruction = self.programs[rank][self.position[rank]]
+        start = end = self.free_at[rank]
+        if instruction.is_compute:
+            ready = [self._ready(rank, need) for need in _needs(instruction)]
+            if any(time is None for time in ready):
+                return False
+            start = max([start, *ready])  # type: ignore[list-item]
+            end = start + compute(rank, instruction)
+            self._computed(rank, instruction, end)
+        elif instruction.kind in ("RECV_F", "RECV_B"):
+            self.posted[message_key(instruction)] = start
+        elif instruction.kind in ("SEND_F", "SEND_B"):
+            self.sent[message_key(instruction)] = (start, self.message_bytes(instruction))
+        elif instruction.kind in ("SIZES", "LOSS"):
+            end = start + step_seconds
+        self.spans[rank].append((instruction, start, end))
+        self.free_at[rank] = end
+        self.position[rank] += 1
+        return True
+
+    def _computed(self, rank: int, instruction: Instruction, end: float) -> None:
+        stage, mb = instruction.stage, instruction.microbatch
+        self.computed[rank][(instruction.kind, stage, mb)] = end  # type: ignore[index]
+        if instruction.kind == "I":  # an I gives the input's gradient, as a B does
+            self.computed[rank][("B", stage, mb)] = end  # type: ignore[index]
+
+    def _ready(self, rank: int, need: Need) -> float | None:
+        """When ``need`` is available on ``rank``: computed here, or arrived by message; None if not yet."""
+        if need in self.computed[rank]:
+            return self.computed[rank][need]
+        kind, stage, mb = need
+        if kind == "B" and stage not in self.backward_stages:
+            return 0.0  # past the last stage: the loss, computed by the backward itself
+        message = ("F", stage + 1, mb) if kind == "F" else ("B", stage - 1, mb)
+        if kind == "I" or message not in self.posted or message not in self.sent:
+            return None
+        leaves, size = self.sent[message]
+        transfer = self.latency + (size / self.bandwidth if self.bandwidth else 0.0)
+        return max(leaves, self.posted[message]) + transfer
+
+    def deadlock_report(self) -> str:
+        owners = {i.stage: r for r, p in enumerate(self.programs) for i in p if i.is_compute}
+        lines = ["the schedule deadlocks; no rank can move:"]
+        for rank, program in enumerate(self.programs):
+            if self.position[rank] == len(program):
+                lines.append(f"  rank {rank}: finished")
+                continue
+            instruction = program[self.position[rank]]
+            what = instruction.action if instruction.action is not None else instruction
+            number = sum(i.is_compute for i in program[: self.position[rank]])
+            missing = [
+                _need_text(need, owners.get(need[1], rank))
+                for need in _needs(instruction)
+                if self._ready(rank, need) is None
+            ]
+            lines.append(
+                f"  rank {rank}: stuck at {what} (action {number}), "
+                f"waiting for {' and '.join(missing) or 'nothing'}"
+            )
+        return "\n".join(lines)
+
+
+def _needs(instruction: Instruction) -> list[Need]:
+    """What a compute uses: the stage's input (``F`` of the stage before), its own forward and the
+    gradient from the stage after (a backward), its own ``I`` (a ``W``)."""
+    if not instruction.is_compute:
+        return []
+    stage, mb = instruction.stage, instruction.microbatch
+    assert stage is not None and mb is not None
+    if instruction.kind == "F":
+        return [] if stage == 0 else [("F", stage - 1, mb)]
+    if instruction.kind == "W":
+        return [("I", stage, mb)]
+    return [("F", stage, mb), ("B", stage + 1, mb)]
+
+
+def _need_text(need: Need, rank: int) -> str:
+    """A missing input as a reader wants it: a gradient comes from a B, or from an I."""
+    kind, _, mb = need
+    return f"B{mb} (or I{mb}) on rank {rank}" if kind == "B" else f"{kind}{mb} on rank {rank}"
+
+
+def describe(programs: Sequence[Program], rank: int | None = None) -> str:
+    """One line per rank: ``rank 1: SIZES 1RECV_F0 1F0 1SEND_F0 ...`` (all ranks, or one)."""
+    ranks = range(len(programs)) if rank is None else [rank]
+    return "\n".join(f"rank {r}: " + " ".join(map(str, programs[r])) for r in ranks)
