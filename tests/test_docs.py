@@ -1,6 +1,6 @@
 """The course pages say what the code does today: every quoted command prints what its page shows.
 
-How a page quotes a command (the full text is in ``pipeclock/app/docs_build.py`` and docs/index.md):
+How a page quotes a command (the full text is in ``tools/docs_build.py`` and docs/index.md):
 
 - a ```console block holds one command, on its first line after ``$ ``, run from the repository root in
   the virtual environment; the other lines are its standard output;
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeclock.app.docs_build import (
+from tests.commands import run_once
+from tools.docs_build import (
     Mismatch,
     Notes,
     check,
@@ -31,8 +32,7 @@ from pipeclock.app.docs_build import (
     pages,
     read_blocks,
 )
-from pipeclock.app.docs_tables import refresh_generated
-from tests.commands import run_once
+from tools.docs_tables import refresh_generated
 
 RUN_LONG = os.environ.get("PIPECLOCK_DOCS_LONG") == "1"
 BLOCKS = [block for page in pages() for block in read_blocks(page)]
