@@ -14,6 +14,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -58,6 +59,7 @@ class Browser:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: close() can end every process it started
             close_fds=False,  # Python's own descriptors close on exec anyway; 3 and 4 are to stay open
             preexec_fn=lambda: (os.dup2(to_chromium, 3), os.dup2(from_chromium, 4)),
         )
@@ -115,7 +117,7 @@ class Browser:
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         os.close(self._commands)
         os.close(self._answers)
