@@ -31,6 +31,7 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m pipeclock docs
 	$(BIN)/python -m benchmarks.figures
+	$(BIN)/python -m tools.explorer_figure
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

@@ -11,7 +11,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from pipeclock.app.docs_build import REPOSITORY, Ran, run_command
+from tools.docs_build import REPOSITORY, Ran, run_command
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pipeclock.app.interrupts import exit_code, signals_caught
 COMMANDS: dict[str, str] = {
     "train": "train a ShardedMLP or a GPT with pipeline parallelism (the main job; launch with torchrun)",
     "schedule": "draw or simulate a schedule, no processes needed",
+    "explore": "a page to play with the schedules in a browser: timelines, bubble, memory, side by side",
     "lab": "run one of the course's labs (launches torchrun itself where the lab needs processes)",
     "bench": "compare pipeclock with torch.distributed.pipelining and one process",
     "export": "write one plain state_dict for the whole model from a checkpoint",

@@ -4,26 +4,20 @@ python -m pipeclock bench            # the full sweep, the same as ``python -m b
 python -m pipeclock bench --quick    # a smaller one
 
 The benchmarks live beside the package, in the repository's ``benchmarks/``; this command only finds
-them and hands over its arguments.
+them and hands over its arguments (an installed package without its checkout says so in one line).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 import sys
-from pathlib import Path
 
-REPOSITORY = Path(__file__).resolve().parents[3]
+from pipeclock.app.checkout import import_from_checkout
 
 
 def _benchmarks_run():
-    if not (REPOSITORY / "benchmarks" / "run.py").is_file():
-        raise SystemExit(f"pipeclock bench: no benchmarks/ beside the package (looked in {REPOSITORY})")
-    if str(REPOSITORY) not in sys.path:
-        sys.path.insert(0, str(REPOSITORY))
-    return importlib.import_module("benchmarks.run")
+    return import_from_checkout("benchmarks.run", "bench")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

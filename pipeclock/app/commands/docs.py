@@ -6,7 +6,8 @@ python -m pipeclock docs lab5-gpipe # only the commands one page quotes
 
 Every command quoted in ``docs/*.md`` is run again; its output replaces the quoted one (keeping the
 lines the page chose to show) and the figures it draws are copied into ``docs/figures/``. How a page
-quotes a command is described in ``pipeclock/app/docs_build.py``.
+quotes a command is described in ``tools/docs_build.py``: the build is course tooling, in the source
+checkout, not in the library.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeclock.app.docs_build import DOCS, PageError, build
-from pipeclock.app.docs_tables import TableError
+from pipeclock.app.checkout import ROOT, import_from_checkout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,17 +29,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only the commands that start no process (python -m pipeclock schedule)",
     )
-    parser.add_argument("--docs", type=Path, default=DOCS, metavar="DIR", help=f"the pages (default {DOCS})")
+    docs = ROOT / "docs"
+    parser.add_argument("--docs", type=Path, default=docs, metavar="DIR", help=f"the pages (default {docs})")
 
 
 def run(args: argparse.Namespace) -> int:
+    docs_build = import_from_checkout("tools.docs_build", "docs")
+    docs_tables = import_from_checkout("tools.docs_tables", "docs")
     if not sorted(args.docs.glob("*.md")):
         print(f"pipeclock docs: error: --docs {args.docs}: no pages (*.md) there", file=sys.stderr)
         return 2
     start = time.perf_counter()
     try:
-        outcomes = build(args.docs, quick=args.quick, only=args.pages)
-    except (PageError, TableError) as error:
+        outcomes = docs_build.build(args.docs, quick=args.quick, only=args.pages)
+    except (docs_build.PageError, docs_tables.TableError) as error:
         print(f"pipeclock docs: error: {error}")
         return 2
     failed = [outcome for outcome in outcomes if outcome.problem is not None]

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 from pipeclock.app.arguments import Parser, positive_int
-
-LABS_DIR = Path(__file__).resolve().parents[3] / "labs"
+from pipeclock.app.checkout import checkout_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def find_lab(number: int) -> Path:
-    found = sorted(LABS_DIR.glob(f"{number:02d}_*.py"))
+    """The script of lab ``number`` in the checkout's ``labs/``; a one-line exit if there is none."""
+    labs = checkout_folder("labs", "lab")
+    found = sorted(labs.glob(f"{number:02d}_*.py"))
     if not found:
-        known = ", ".join(p.stem for p in sorted(LABS_DIR.glob("[0-9][0-9]_*.py"))) or "none"
-        raise SystemExit(f"pipeclock lab: error: no lab {number} in {LABS_DIR} (labs: {known})")
+        known = ", ".join(p.stem for p in sorted(labs.glob("[0-9][0-9]_*.py"))) or "none"
+        raise SystemExit(f"pipeclock lab: error: no lab {number} in {labs} (labs: {known})")
     return found[0]
 
 

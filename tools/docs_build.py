@@ -37,7 +37,7 @@ The convention, for whoever writes a page:
 - A block that quotes no output yet is given the command's whole output by the next build; trim it with
   ``...`` afterwards.
 - Between ``<!-- generated: KIND key=value ... -->`` and ``<!-- end generated -->`` a page holds a table
-  made from the simulator (``pipeclock/app/docs_tables.py``); the build rewrites it.
+  made from the simulator (``tools/docs_tables.py``); the build rewrites it.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeclock.app.docs_tables import refresh_generated
+from tools.docs_tables import refresh_generated
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs"
 OMITTED = "..."
 SIMULATOR = "python -m pipeclock schedule"  # commands that start no process: the --quick build
