@@ -116,3 +116,12 @@ def test_a_file_without_the_function_is_one_line_before_any_process_starts(tmp_p
         check(5, empty)
     with pytest.raises(Verdict, match="lab 3 has no loop to check; the labs that do: 4, 5, 6, 7"):
         check(3, empty)
+
+
+def test_each_lab_page_quotes_its_loop_as_the_file_has_it():
+    for page in ("lab4-naive", "lab5-gpipe", "lab6-1f1b", "lab7-interleaved"):
+        text = (ROOT / "docs" / f"{page}.md").read_text()
+        source = re.search(r"<!-- loop: (\S+) -->\n```python\n(.*?)\n```", text, re.S)
+        assert source, f"{page} quotes no loop"
+        code = (ROOT / source[1]).read_text()
+        assert source[2] == code[code.index("import torch") :].rstrip("\n"), f"{page}: {source[1]} changed"
