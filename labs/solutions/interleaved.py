@@ -38,9 +38,10 @@ def interleaved_step(chunks, inputs, targets, num_microbatches, loss_fn=F.mse_lo
         if i >= m:
             continue  # a micro-batch of the last round that does not exist
         first, last = rank == 0 and c == 0, rank == p - 1 and c == v - 1
+        chunk = chunks[c]
         if op == "F":
             x = inputs[i] if first else comms.recv_tensor(None, prev, tag=ACTIVATION).requires_grad_()
-            y = chunks[c](x)
+            y = chunk(x)
             if last:
                 y = loss_fn(y, targets[i]) * len(targets[i]) / batch_size
                 total += y.item()
