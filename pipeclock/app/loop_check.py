@@ -23,6 +23,7 @@ from pipeclock.app.loop_check_rank import Case, Fault, load_function, run_rank
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
+SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
 START_LIMIT = 120.0  # seconds for the processes to start and load the file
 BETWEEN_STEPS = "for the others to"  # how a rank waiting between two steps says so
 GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
@@ -145,7 +146,7 @@ def watch(processes, events, world: int) -> list[RankState]:
             else:
                 follow(states[rank], kind, case, rest)
             if all(state.started for state in states):
-                moved_at = now if kind != "waits" or moved_at is None else moved_at
+                moved_at = now  # any report is news: a rank that starts to wait was busy until then
         if fault_at is not None and (now - fault_at > GRACE or all_stopped(states, processes)):
             first = min(faults, key=lambda f: (f.case.m, f.order))
             raise Verdict(f"wrong, with {world} ranks and m = {first.case.m}: {first.text}")
@@ -158,6 +159,8 @@ def watch(processes, events, world: int) -> list[RankState]:
                 )
             if moved_at is not None and now - moved_at > STALL and stuck(states):
                 raise Verdict(deadlock(states, world, now - moved_at))
+            if moved_at is not None and now - moved_at > SILENCE:  # a rank computes forever
+                raise Verdict(deadlock(states, world, now - moved_at).replace("deadlock", "no progress", 1))
             if moved_at is None and now - started_at > START_LIMIT:
                 raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
     return states
@@ -199,10 +202,14 @@ def deadlock(states: list[RankState], world: int, still: float) -> str:
             lines.append(f"  rank {rank} waits {state.waits}, which finished its step without {never}")
     lines.append("what each rank did last, and what it waits for:")
     for rank, state in enumerate(states):
-        lines.append(
-            f"  rank {rank}: last did: {state.did}; waits {state.waits or 'for nothing: it is done'}"
-        )
+        lines.append(f"  rank {rank}: last did: {state.did}; {_now_doing(state)}")
     return "\n".join(lines)
+
+
+def _now_doing(state: RankState) -> str:
+    if state.finished:
+        return "it is done"
+    return f"waits {state.waits}" if state.waits else "computes, in no message (an endless loop?)"
 
 
 def bubble_line(exercise: Exercise, world: int, case: Case, states: list[RankState]) -> str:
