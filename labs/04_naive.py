@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from solutions.naive import naive_step
+
 from pipeclock import comms
 from pipeclock.app.interrupts import run_as_script
+from pipeclock.app.loop_beside import compare
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
@@ -58,13 +61,14 @@ def utilisation_table(report: RunReport) -> list[str]:
     return lines
 
 
-def teach(report: RunReport, config: TrainConfig, out: Path) -> None:
+def teach(report: RunReport, config: TrainConfig, out: Path, beside: list[str]) -> None:
     p = len(report.ranks)
     print("the median step, as measured (time runs to the right, dots are idle):")
     print(measured_ascii(report) + "\n")
     print("\n".join(utilisation_table(report)) + "\n")
     path = draw_runs([("naive", report, schedule_table(config, p))], out / "04_naive.png")
     print(f"timeline drawn to {path}\n")
+    print("\n".join(beside) + "\n")
 
     busy = ", ".join(f"rank {rank} {report.busy_fraction(rank):.1%}" for rank in range(p))
     formula = f"{bubble_formula_text('naive')} = {bubble_formula('naive', p, 1):.1%}"
@@ -84,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     result = train(config)
+    beside = compare(naive_step, "naive", args.hidden, args.layers, args.batch_size, 1, seed=args.seed)
     if rank == 0:
-        teach(result.report, config, args.out)
+        teach(result.report, config, args.out, beside)
     comms.shutdown()
 
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from solutions.gpipe import gpipe_step
+
 from pipeclock import comms
 from pipeclock.app.interrupts import run_as_script
+from pipeclock.app.loop_beside import compare
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
@@ -98,8 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             reports[m] = result.report
             print(table_row(m, result.report, args.batch_size), flush=True)
+    m = args.draw if args.draw in args.microbatches else max(args.microbatches)
+    beside = compare(gpipe_step, "gpipe", args.hidden, args.layers, args.batch_size, m, seed=args.seed)
     if rank == 0:
         draw(reports, args)
+        print("\n" + "\n".join(beside))
         lesson(reports)
     comms.shutdown()
 

@@ -23,8 +23,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from solutions.one_f_one_b import one_f_one_b_step
+
 from pipeclock import comms
 from pipeclock.app.interrupts import run_as_script
+from pipeclock.app.loop_beside import compare
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
@@ -115,9 +118,12 @@ def main(argv: list[str] | None = None) -> None:
             reports[name] = result.report
             print(f"{SCHEDULES[name]}, the median step as measured (dots are idle):")
             print(measured_ascii(result.report) + "\n", flush=True)
+    m = args.microbatches
+    beside = compare(one_f_one_b_step, "1f1b", args.hidden, args.layers, args.batch_size, m, seed=args.seed)
     if rank == 0:
         print("\n".join(memory_table(reports, args.microbatches)) + "\n")
         draw(reports, args)
+        print("\n" + "\n".join(beside))
         lesson(reports, args.microbatches)
     comms.shutdown()
 

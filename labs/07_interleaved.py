@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from solutions.interleaved import interleaved_step
+
 from pipeclock import comms
 from pipeclock.app.interrupts import run_as_script
+from pipeclock.app.loop_beside import compare
 from pipeclock.app.train import TrainConfig, schedule_table, train
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
@@ -139,9 +142,20 @@ def main(argv: list[str] | None = None) -> None:
             reports[name] = result.report
             print(f"{name}, the median step as measured (dots are idle; F3.1 is micro-batch 3 on chunk 1):")
             print(measured_ascii(result.report) + "\n", flush=True)
+    beside = compare(
+        interleaved_step,
+        "interleaved-1f1b",
+        args.hidden,
+        args.layers,
+        args.batch_size,
+        args.microbatches,
+        chunks=args.chunks,
+        seed=args.seed,
+    )
     if rank == 0:
         print("\n".join(comparison(reports, runs)) + "\n")
         draw(reports, runs, args.out)
+        print("\n" + "\n".join(beside))
         lesson(reports, runs)
     comms.shutdown()
 

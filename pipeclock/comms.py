@@ -355,6 +355,27 @@ def send_tensor(tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
     data.wait()
 
 
+@dataclass
+class SendingTensor:
+    """A ``send_tensor`` under way: its header and its data, both posted; ``wait`` until they left."""
+
+    header: PendingSend
+    data: PendingSend
+
+    def wait(self) -> None:
+        self.header.wait()
+        self.data.wait()
+
+
+def isend_tensor(tensor: torch.Tensor, dest: int, tag: int = 0) -> SendingTensor:
+    """``send_tensor`` without the wait: post the header and the data and return at once.
+
+    A blocking send waits for the receiver to take the tensor; two ranks that send to each other at the
+    same moment would wait forever. A rank that posts its sends and waits for them later cannot.
+    """
+    return SendingTensor(send_meta(tensor, dest, tag), isend(tensor, dest, tag))
+
+
 def recv_tensor(
     shape: tuple[int, ...] | torch.Size | None,
     src: int,

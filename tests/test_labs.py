@@ -101,6 +101,19 @@ def lesson_line(out: str, starts_with: str) -> str:
     return next(line for line in lesson.splitlines() if line.strip().startswith(starts_with))
 
 
+def check_the_hand_written_loop_computes_what_the_engine_does(out: str, loop: str, formula: str) -> None:
+    """The lab's loop (labs/solutions/) beside the engine: same loss, same gradients, both bubbles."""
+    assert f"the loop of labs/solutions/{loop}.py beside the engine" in out
+    loop_loss, engine_loss = map(float, re.search(r"loss +(\S+) \(loop\) vs (\S+) \(engine\)", out).groups())
+    assert loop_loss == pytest.approx(engine_loss, rel=1e-5)
+    gap, largest = map(
+        float, re.search(r"gradients +differ by at most (\S+) \(largest (\S+)\)", out).groups()
+    )
+    assert largest > 0 and gap <= 1e-5 * largest
+    bubbles = re.search(r"measured bubble  loop ([\d.]+)% vs engine ([\d.]+)%; formula (.*)$", out, re.M)
+    assert bubbles and bubbles[3] == formula and all(0 < float(b) < 100 for b in bubbles.groups()[:2])
+
+
 @pytest.mark.slow
 def test_lab4_naive_keeps_each_rank_busy_about_one_pth_of_the_step():
     out = lab_run("python -m pipeclock lab 4 --nproc 4 --hidden 512 --layers 8 --steps 4")
@@ -112,6 +125,7 @@ def test_lab4_naive_keeps_each_rank_busy_about_one_pth_of_the_step():
     assert all(0 < share < 1 for share in busy) and 0.5 <= sum(busy) <= 1.2, busy
     assert "vs formula (p-1)/p = 75.0%" in lesson_line(out, "measured bubble")
     assert re.search(r"^\s+3\s+[\d.]+%\s+\d+%\s+25.0%", out, re.MULTILINE), "CPU % printed beside 1/p"
+    check_the_hand_written_loop_computes_what_the_engine_does(out, "naive", "(p-1)/p = 75.0%")
 
 
 @pytest.mark.slow
@@ -123,6 +137,7 @@ def test_lab5_gpipe_bubble_falls_as_the_number_of_micro_batches_grows():
     # whether m = 4 measures below m = 1 depends on the machine's load (the page shows it on a quiet
     # one); that with m = 1 each rank waits while the other works does not
     assert measured[0] > 0.3, "with m = 1 at least one rank always waits"
+    check_the_hand_written_loop_computes_what_the_engine_does(out, "gpipe", "(p-1)/(m+p-1) = 20.0%")
 
 
 @pytest.mark.slow
@@ -137,6 +152,7 @@ def test_lab6_1f1b_holds_min_m_p_minus_r_micro_batches_where_gpipe_holds_m():
         ).groups()
         assert float(one_f_one_b) < float(gpipe)
         assert float(ratio) == pytest.approx(8 / held, abs=0.005) and f"(m / min(m, p-r) = 8/{held})" in line
+    check_the_hand_written_loop_computes_what_the_engine_does(out, "one_f_one_b", "(p-1)/(m+p-1) = 27.3%")
 
 
 @pytest.mark.slow
@@ -149,6 +165,7 @@ def test_lab7_interleaving_shrinks_the_formula_bubble_for_more_messages():
     assert "1F1B 8, 8 vs interleaved 56, 56 (7.0x)" in messages
     growth = re.search(r"MiB \(([\d.]+)x, ([\d.]+)x\)", lesson_line(out, "peak activations")).groups()
     assert all(float(g) > 1 for g in growth), "interleaving holds a little more"
+    check_the_hand_written_loop_computes_what_the_engine_does(out, "interleaved", "(p-1)/(v*m+p-1) = 5.9%")
 
 
 @pytest.mark.slow

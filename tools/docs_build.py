@@ -33,6 +33,8 @@ The convention, for whoever writes a page:
       The command takes long; the docs test skips it, giving REASON (``PIPECLOCK_DOCS_LONG=1`` runs it).
   ``figure: FILE -> NAME``
       The command draws FILE; the build copies it to ``docs/figures/NAME``.
+  ``exit: N``
+      The command ends with exit code N, not 0 (``lab N --check`` on a loop with a fault).
 
 - A block that quotes no output yet is given the command's whole output by the next build; trim it with
   ``...`` afterwards.
@@ -63,7 +65,7 @@ OMITTED = "..."
 SIMULATOR = "python -m pipeclock schedule"  # commands that start no process: the --quick build
 COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with its process group
 
-_NOTE_KEYS = ("vary", "any", "long", "figure")
+_NOTE_KEYS = ("vary", "any", "long", "figure", "exit")
 # A measured number: thousands separators, a decimal point, or a percent sign; not the value of a formula.
 _MEASURED = re.compile(
     r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%|x\)|/s| samples/s| tokens/s))"
@@ -81,6 +83,7 @@ class Notes:
     any: list[re.Pattern] = field(default_factory=list)
     long: str | None = None
     figures: list[tuple[str, str]] = field(default_factory=list)  # (drawn by the command, name in figures/)
+    exit: int = 0  # the exit code the command ends with (a check that finds a fault says so with 1)
 
 
 @dataclass
@@ -147,6 +150,8 @@ def _read_notes(page: Path, lines: list[str], start: int) -> tuple[Notes, int]:
             notes.figures.append((drawn.strip(), name.strip()))
         elif key == "long":
             notes.long = value
+        elif key == "exit":
+            notes.exit = int(value)
         else:
             getattr(notes, key).append(re.compile(value))
         index += 1
@@ -314,7 +319,7 @@ def _end_group(group: int) -> None:
 
 def check(block: Block, ran: Ran) -> list[str]:
     """The printed lines the page should quote for ``block``; raises `Mismatch` if the quote is wrong."""
-    if ran.returncode != 0:
+    if ran.returncode != block.notes.exit:
         raise Mismatch(f"exit code {ran.returncode}\n{ran.stdout[-2000:]}{ran.stderr[-2000:]}")
     if not block.output:
         return ran.lines

@@ -2,7 +2,9 @@
 
 A lab that needs processes says how many with a ``PROCESSES = n`` line; this command prints the
 torchrun command a learner would type, then runs it. ``--nproc N`` (before or after the lab's number)
-asks for another number of processes, e.g. to see a four-stage pipeline.
+asks for another number of processes, e.g. to see a four-stage pipeline. ``--check FILE`` runs the
+learner's loop in FILE (from ``labs/exercises/``) on real processes instead, and says whether it is
+right (`pipeclock.app.loop_check`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="processes for torchrun (default: the lab's PROCESSES)",
     )
+    parser.add_argument(
+        "--check", type=Path, metavar="FILE", help="check your loop for this lab's schedule, written in FILE"
+    )
     parser.add_argument("lab_args", nargs=argparse.REMAINDER, help="arguments passed on to the lab")
 
 
@@ -47,10 +52,29 @@ def processes(lab: Path) -> int:
 
 def take_nproc(lab_args: list[str]) -> tuple[int | None, list[str]]:
     """``--nproc N`` written after the lab's number belongs to the launcher, not to the lab."""
+    known, rest = _launcher_options(lab_args)
+    return known.nproc, rest
+
+
+def _launcher_options(lab_args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     launcher = Parser(prog="pipeclock lab", add_help=False, allow_abbrev=False)
     launcher.add_argument("--nproc", type=positive_int)
-    known, rest = launcher.parse_known_args(lab_args)
-    return known.nproc, rest
+    launcher.add_argument("--check", type=Path)
+    return launcher.parse_known_args(lab_args)
+
+
+def check(number: int, learner: Path) -> int:
+    """``lab N --check FILE``: the checker's answer, printed; 0 when the loop is right."""
+    from pipeclock.app.loop_check import Verdict
+    from pipeclock.app.loop_check import check as check_loop
+
+    print(f"checking {learner} for lab {number}, on 2 and 4 processes...", flush=True)
+    try:
+        print(check_loop(number, learner))
+        return 0
+    except Verdict as verdict:
+        print(verdict)
+        return 1
 
 
 def command(lab: Path, lab_args: list[str], nproc: int | None = None) -> tuple[list[str], str]:
@@ -67,8 +91,11 @@ def command(lab: Path, lab_args: list[str], nproc: int | None = None) -> tuple[l
 
 
 def run(args: argparse.Namespace) -> int:
+    after, lab_args = _launcher_options(args.lab_args)
+    if (after.check or args.check) is not None:
+        return check(args.number, after.check or args.check)
     lab = find_lab(args.number)
-    nproc_after, lab_args = take_nproc(args.lab_args)
+    nproc_after = after.nproc
     nproc = next((n for n in (nproc_after, args.nproc) if n is not None), processes(lab))
     if {"-h", "--help"} & set(lab_args):
         nproc = 1  # the lab's help needs no process group, and would be printed once per process

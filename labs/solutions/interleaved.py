@@ -1,0 +1,59 @@
+"""Interleaved 1F1B: each rank holds several chunks of the model; an activation goes round the ranks.
+
+With p ranks and v chunks, rank r's chunk c is virtual stage c * p + r: rank p - 1 sends chunk c's
+output to rank 0's chunk c + 1, so the messages go round a ring. Micro-batches go in rounds of p: a rank
+runs chunk 0 for the round's micro-batches, then chunk 1, ...; backwards take the chunks in reverse. The
+order is planned for full rounds (m rounded up to a multiple of p), then the missing micro-batches are
+skipped. Round a ring a blocking send could wait for a neighbour that is itself sending to us, so this
+loop posts its sends (``isend_tensor``) and waits for them at the end. Activations travel with tag 0
+and gradients with tag 1: the two streams between two ranks never mix.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from pipeclock import comms, schedule
+
+ACTIVATION, GRADIENT = 0, 1  # message tags
+
+
+def interleaved_step(chunks, inputs, targets, num_microbatches, loss_fn=F.mse_loss):
+    """One training step of ``chunks``, this rank's chunks of the model in order; returns the batch loss
+    on the last rank (None elsewhere). Gradients accumulate in ``.grad`` as after ``loss.backward()`` on
+    the whole model: each micro-batch's loss is weighted by its share of the batch."""
+    rank, p, m, v = comms.get_rank(), comms.get_world_size(), num_microbatches, len(chunks)
+    prev, next_ = (rank - 1) % p, (rank + 1) % p  # round the ring
+    if rank == 0:
+        inputs = schedule.split_microbatches(inputs, m)
+    if rank == p - 1:
+        batch_size, targets = len(targets), schedule.split_microbatches(targets, m)
+    rounds = [range(start, start + p) for start in range(0, -(-m // p) * p, p)]
+    forwards = [("F", i, c) for r in rounds for c in range(v) for i in r]
+    backwards = [("B", i, c) for r in rounds for c in reversed(range(v)) for i in r]
+    warmup = min(2 * (p - rank - 1) + (v - 1) * p, len(forwards))
+    steady = [a for pair in zip(forwards[warmup:], backwards, strict=False) for a in pair]
+    order = forwards[:warmup] + steady + backwards[len(forwards) - warmup :]
+    held, sending, total = {}, [], 0.0
+    for op, i, c in order:
+        if i >= m:
+            continue  # a micro-batch of the last round that does not exist
+        first, last = rank == 0 and c == 0, rank == p - 1 and c == v - 1
+        chunk = chunks[c]
+        if op == "F":
+            x = inputs[i] if first else comms.recv_tensor(None, prev, tag=ACTIVATION).requires_grad_()
+            y = chunk(x)
+            if last:
+                y = loss_fn(y, targets[i]) * len(targets[i]) / batch_size
+                total += y.item()
+            else:
+                sending.append(comms.isend_tensor(y.detach(), next_, tag=ACTIVATION))
+            held[i, c] = (x, y)
+        else:
+            x, y = held.pop((i, c))
+            grad = None if last else comms.recv_tensor(y.shape, next_, tag=GRADIENT)
+            torch.autograd.backward(y, grad)
+            if not first:
+                sending.append(comms.isend_tensor(x.grad, prev, tag=GRADIENT))
+    for message in sending:
+        message.wait()
+    return total if rank == p - 1 else None
