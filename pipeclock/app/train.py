@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint, checkpoint_choice, resume
+from pipeclock.app import checkpoint, checkpoint_choice, folder_lock, resume
 from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.memory_fit import check_fits
 from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
@@ -183,6 +185,11 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
     faults.arm(comms.get_world_size())
     agree(config)
     _check_checkpointing(config)
+    with _holding_the_folder(config.checkpoint_dir):
+        return _train(config, on_step, on_eval, on_begin)
+
+
+def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     with naming_the_rank():
         task = _checked_task(config)
         pipe, modules, shard = _build_pipeline(config, task)
@@ -218,6 +225,29 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
     return result
+
+
+@contextmanager
+def _holding_the_folder(directory: str | None) -> Iterator[None]:
+    """The run's checkpoint folder locked by rank 0 for the run's life (``folder_lock``); every rank
+    refuses, in rank 0's words, when another run holds it."""
+    if not directory:
+        yield
+        return
+    held, refusal = None, None
+    if comms.get_rank() == 0:
+        try:
+            held = folder_lock.lock(directory)
+        except folder_lock.FolderInUseError as error:
+            refusal = str(error)
+    refusal = comms.all_gather_object(refusal, f"locking --checkpoint-dir {directory}")[0]
+    try:
+        if refusal:
+            raise folder_lock.FolderInUseError(f"rank {comms.get_rank()}: {refusal}")
+        yield
+    finally:
+        if held is not None:
+            folder_lock.release(held)
 
 
 def _checked_task(config: TrainConfig):
