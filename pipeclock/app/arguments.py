@@ -100,13 +100,14 @@ def check_output(path: str | os.PathLike, option: str, folder: bool = False) -> 
         raise ValueError(
             f"{option} {path}: that is a {'file' if folder else 'folder'}; name a {_kind(folder)}"
         )
-    existing = target if target.exists() else target.parent
+    home = target if folder else target.parent  # the folder the output goes in
+    existing = home
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if existing != target and not existing.is_dir():
+    if not existing.is_dir():
         raise ValueError(f"{option} {path}: {existing} is a file, so nothing can be created under it")
     try:
-        _probe(existing, create_folder=existing != target.parent and existing != target)
+        _probe(existing, create_folder=existing != home)
         if target.is_file():
             open(target, "ab").close()
     except OSError as error:
