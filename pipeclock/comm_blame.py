@@ -63,9 +63,9 @@ def first_failure(lost: list[int], closed: bool) -> FirstFailure | None:
     return ends.pop() if len(ends) == 1 else None
 
 
-def store_reachable() -> bool:
-    """Whether the notes can be read at all (the store lives on, and this rank can reach it)."""
-    return _read_notes() is not None
+def store_lost() -> bool:
+    """Whether the notes were looked for and the store was not there (it lived in a rank that is gone)."""
+    return _unreachable
 
 
 def _follow(peer: int, closed: bool, notes: dict[int, str]) -> FirstFailure | None:

@@ -218,7 +218,7 @@ def explain(error: RuntimeError, what: str, peer: int | None = None, group=_ANYO
         return comm_errors.described(error, what, get_rank(), others, _timeout)
     comm_blame.leave_lost(others, closed=kind == "gone")
     first = comm_blame.first_failure(others, closed=kind == "gone")
-    known = first is not None or comm_blame.store_reachable()
+    known = first is not None or not comm_blame.store_lost()
     return comm_errors.described(error, what, get_rank(), others, _timeout, first, known)
 
 
