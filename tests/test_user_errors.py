@@ -195,3 +195,12 @@ def test_the_errors_page_shows_these_lines(printed):
     if os.environ.get("PIPECLOCK_WRITE_ERRORS") == "1":
         PAGE.write_text(wanted)
     assert text == wanted, "docs/errors.md: run PIPECLOCK_WRITE_ERRORS=1 pytest tests/test_user_errors.py"
+
+
+def test_a_labs_wrong_argument_is_its_own_error_before_torchrun_starts(capfd):
+    """The lab's parser reads its arguments in the launcher: no rank, and no torchrun report, is started."""
+    assert main(["lab", "3", "--check", "mine.py"]) == 2
+    out, err = capfd.readouterr()
+    assert out == ""  # no "$ torchrun ..." line: nothing was launched
+    assert err.strip().splitlines()[-1] == "03_ping_pong.py: error: unrecognized arguments: --check mine.py"
+    assert "Traceback" not in err

@@ -8,6 +8,7 @@ asks for another number of processes, e.g. to see a four-stage pipeline.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -65,12 +66,31 @@ def command(lab: Path, lab_args: list[str], nproc: int | None = None) -> tuple[l
     return run, shlex.join(["torchrun", "--nproc-per-node", str(nproc), shown, *lab_args])
 
 
+def check_lab_arguments(lab: Path, lab_args: list[str]) -> None:
+    """The lab's own parser reads ``lab_args`` here, once, before torchrun starts any process: a wrong
+    argument is then the lab's one error line (exit code 2), not that line from every rank followed by
+    torchrun's report and traceback. Costs the lab's imports, so only when it is given arguments."""
+    spec = importlib.util.spec_from_file_location(f"pipeclock_lab_{lab.stem}", lab)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a lab's work runs under ``if __name__ == "__main__"`` only
+    parse = getattr(module, "parse_args", None)
+    if parse is None:
+        return
+    program, sys.argv[0] = sys.argv[0], str(lab)  # argparse names the program after sys.argv[0]
+    try:
+        parse(lab_args)  # argparse's SystemExit(2), its message printed, for cli.main to return
+    finally:
+        sys.argv[0] = program
+
+
 def run(args: argparse.Namespace) -> int:
     lab = find_lab(args.number)
     nproc_after, lab_args = take_nproc(args.lab_args)
     nproc = next((n for n in (nproc_after, args.nproc) if n is not None), processes(lab))
     if {"-h", "--help"} & set(lab_args):
         nproc = 1  # the lab's help needs no process group, and would be printed once per process
+    if lab_args and nproc > 1:
+        check_lab_arguments(lab, lab_args)
     cmd, shown = command(lab, lab_args, nproc)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ)
