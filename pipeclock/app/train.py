@@ -10,10 +10,11 @@ optimizer is per rank (each rank updates only the parameters it holds), which is
 parallelism needs: no parameter lives on two ranks.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
-step (``pipeclock.app.checkpoint``); with ``resume`` it continues from the newest sound checkpoint there
-(or the run or checkpoint ``resume`` names, ``pipeclock.app.resume``), whatever the number of stages that
-saved it. Since batch k depends only on (seed, k), a resumed run sees the data the uninterrupted run would
-have seen.
+step (``pipeclock.app.checkpoint``), and holds the directory for its whole life, so that no second run
+saves there meanwhile (``pipeclock.app.folder_lock``); with ``resume`` it continues from the newest sound
+checkpoint there (or the run or checkpoint ``resume`` names, ``pipeclock.app.resume``), whatever the number
+of stages that saved it. Since batch k depends only on (seed, k), a resumed run sees the data the
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -240,6 +241,8 @@ def _holding_the_folder(directory: str | None) -> Iterator[None]:
             held = folder_lock.lock(directory)
         except folder_lock.FolderInUseError as error:
             refusal = str(error)
+        except OSError as error:  # rank 0 alone would fail: the others must hear it, not wait
+            refusal = f"--checkpoint-dir {directory}: cannot lock it ({error.strerror})"
     refusal = comms.all_gather_object(refusal, f"locking --checkpoint-dir {directory}")[0]
     try:
         if refusal:
