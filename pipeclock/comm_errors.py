@@ -1,10 +1,13 @@
 """What a failed message or collective means, in words that name the ranks: the failure vocabulary.
 
 ``comms`` waits on the backend; when gloo or nccl raises, ``described`` turns its ``RuntimeError`` into
-one of these errors, naming the rank that reports (alive, by construction) and the ranks it waited on.
+one of these errors, naming the rank that reports (alive, by construction) and the ranks it waited on,
+and, where the stopped ranks' notes tell (``pipeclock.comm_blame``), which rank failed first.
 """
 
 from __future__ import annotations
+
+from pipeclock.comm_blame import FirstFailure
 
 __all__ = ["CommError", "CommTimeoutError", "PeerGoneError", "ShapeMismatchError", "described", "ranks_named"]
 
@@ -25,22 +28,61 @@ class ShapeMismatchError(CommError, ValueError):
     """The receiver expected a different shape or dtype than the sender sent."""
 
 
-def described(error: RuntimeError, what: str, me: int, others: list[int], timeout: float) -> CommError:
+def failure_kind(error: RuntimeError) -> str:
+    """``"gone"`` (a connection closed), ``"timeout"``, or ``"other"``: what a backend's error says."""
+    text = str(error)
+    if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
+        return "gone"
+    if "imed out" in text or "timeout" in text.lower():
+        return "timeout"
+    return "other"
+
+
+def described(
+    error: RuntimeError,
+    what: str,
+    me: int,
+    others: list[int],
+    timeout: float,
+    first: FirstFailure | None = None,
+    store_known: bool = True,
+) -> CommError:
     """The error ``error`` means for rank ``me``, which was ``what`` (waiting on ``others``, at most
     ``timeout`` seconds). Never ``me`` itself is suspected: the rank that reports is alive, the question
-    is about the others."""
+    is about the others. ``first``: the rank the stopped ranks' notes say failed first
+    (``pipeclock.comm_blame``); ``store_known``: False when those notes could not be read."""
     text = str(error)
     who, other = f"rank {me}", ranks_named(others)
-    if "closed by peer" in text or "reset by peer" in text or "Broken pipe" in text:
-        died = f"{other} most likely died" if len(others) <= 1 else f"one of {other} most likely died"
-        return PeerGoneError(f"{who}: lost the connection to {other} while {what}; {died} (see its log)")
-    if "imed out" in text or "timeout" in text.lower():
+    kind = failure_kind(error)
+    if kind == "gone":
+        if first is not None:
+            blamed = _first_failure(first)
+        elif not store_known:
+            blamed = f"{other} stopped or died (see its log; which rank failed first is not known here)"
+        elif len(others) <= 1:
+            blamed = f"{other} most likely died (see its log)"
+        else:
+            blamed = f"one of {other} most likely died (see its log)"
+        return PeerGoneError(f"{who}: lost the connection to {other} while {what}; {blamed}")
+    if kind == "timeout":
         verb = "are" if len(others) > 1 else "is"
+        known = f"; {_first_failure(first)}" if first is not None else ""
         return CommTimeoutError(
             f"{who}: {what} did not complete within {timeout:g}s; {verb} {other} alive and running the "
-            "same step and schedule?"
+            f"same step and schedule?{known}"
         )
     return CommError(f"{who}: {what} failed: {text.splitlines()[0]}")
+
+
+def _first_failure(first: FirstFailure) -> str:
+    """``rank 3 most likely died first (rank 1 lost rank 2, rank 2 lost rank 3; see rank 3's log)``."""
+    if first.error is not None:
+        own = first.error.removeprefix(f"rank {first.rank}: ")
+        return f"rank {first.rank} failed first: {own}"
+    if len(first.path) == 1:
+        return f"rank {first.rank} most likely died (see its log)"
+    chain = ", ".join(f"rank {a} lost rank {b}" for a, b in zip(first.path, first.path[1:], strict=False))
+    return f"rank {first.rank} most likely died first ({chain}; see rank {first.rank}'s log)"
 
 
 def ranks_named(ranks: list[int]) -> str:

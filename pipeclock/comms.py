@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeclock import comm_channels, comm_errors
+from pipeclock import comm_blame, comm_channels, comm_errors
 
 # The failure vocabulary lives in comm_errors; callers know it as comms.CommError, comms.PeerGoneError, ...
 from pipeclock.comm_errors import CommError as CommError
@@ -208,8 +208,18 @@ def _collective(post: Callable[[], dist.Work], what: str, peer: int | None = Non
 
 def explain(error: RuntimeError, what: str, peer: int | None = None, group=_ANYONE) -> CommError:
     """The ``CommError`` that says what a backend's ``RuntimeError`` means, naming this rank and the
-    ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer"."""
-    return comm_errors.described(error, what, get_rank(), _others(peer, group), _timeout)
+    ranks it waited on: ``peer``, else the other ranks of ``group`` (None: the world), else "a peer".
+
+    A lost or silent peer also leaves this rank's note in the job's store, and reads the others' notes
+    to say which rank failed first (``pipeclock.comm_blame``)."""
+    others = _others(peer, group)
+    kind = comm_errors.failure_kind(error)
+    if kind == "other":
+        return comm_errors.described(error, what, get_rank(), others, _timeout)
+    comm_blame.leave_lost(others, closed=kind == "gone")
+    first = comm_blame.first_failure(others, closed=kind == "gone")
+    known = first is not None or not comm_blame.store_lost()
+    return comm_errors.described(error, what, get_rank(), others, _timeout, first, known)
 
 
 def _others(peer: int | None, group) -> list[int]:

@@ -371,7 +371,7 @@ def test_export_of_a_run_directory_skips_its_damaged_newest_and_says_so(runs, tm
     assert out.startswith(f"exported {run / 'step_000010'} (step 10, ")
     for step in ("step_000010", "step_000005"):
         shutil.rmtree(run / step)
-    assert cli.main(["export", str(run), str(tmp_path / "model.pt")]) == 2
+    assert cli.main(["export", str(run), str(tmp_path / "model2.pt")]) == 2
     assert capsys.readouterr().err == (
         f"pipeclock export: error: every checkpoint in {run} is damaged: step_000020 (__1_0.distcp: "
         f"truncated to 1000 of {cut_from} bytes), step_000015 (pipeclock.json: missing)\n"

@@ -134,6 +134,7 @@ def shown(error: str, directory: Path) -> str:
     change with the machine and with how far a survivor got before it noticed."""
     error = error.replace(f"{directory / 'checkpoints'}/", "")
     error = re.sub(r"micro-batch \d+", "a micro-batch", error)
+    error = re.sub(r"; rank \d+ most likely died first \(.*\)$", "", error)  # comm_blame's chain
     return re.sub(r"; (rank \d+|a peer) most likely died \(see its log\)$", "", error)
 
 

@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,22 +88,77 @@ def check_output(path: str | os.PathLike, option: str, folder: bool = False) -> 
     written there.
 
     Checked before the work that produces it, which may take a long time: a figure refused after an hour
-    of training is an hour lost. Nothing is created; missing folders count as creatable when the nearest
-    existing one is a writable folder (the writers create them).
+    of training is an hour lost. The check writes, as the user this process runs as: a probe file (with a
+    few bytes, so a full disk shows) is created and removed in the folder the output goes to, or, where
+    that folder does not exist yet, a probe folder in the nearest one that does (the writers create the
+    rest). Asking permission bits (``os.access``) is not enough: root passes them everywhere, yet cannot
+    write to ``/proc``, a read-only mount or a full disk. An existing file is opened for appending (and
+    left as it was), since the writer will replace it. Nothing is left behind.
     """
     target = Path(path)
     if target.exists() and target.is_dir() != folder:
         raise ValueError(
             f"{option} {path}: that is a {'file' if folder else 'folder'}; name a {_kind(folder)}"
         )
-    existing = target if target.exists() else target.parent
+    home = target if folder else target.parent  # the folder the output goes in
+    existing = home
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if existing != target and not existing.is_dir():
+    if not existing.is_dir():
         raise ValueError(f"{option} {path}: {existing} is a file, so nothing can be created under it")
-    if not os.access(existing, os.W_OK):
-        raise ValueError(f"{option} {path}: {existing} is not writable (permission denied)")
+    try:
+        _probe(existing, create_folder=existing != home)
+        if target.is_file():
+            open(target, "ab").close()
+    except OSError as error:
+        where = f"to {target}" if target.is_file() else f"in {existing}"
+        raise ValueError(f"{option} {path}: cannot write {where} ({error.strerror})") from None
+
+
+_PROBE = b"pipeclock checks that outputs can be written\n" * 64
+
+
+def _probe(folder: Path, create_folder: bool) -> None:
+    """Create and remove a probe file in ``folder`` (inside a probe folder, with ``create_folder``)."""
+    inside = Path(tempfile.mkdtemp(prefix=".pipeclock-probe-", dir=folder)) if create_folder else folder
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=".pipeclock-probe-", dir=inside)
+        try:
+            os.write(descriptor, _PROBE)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+            os.unlink(name)
+    finally:
+        if create_folder:
+            os.rmdir(inside)
 
 
 def _kind(folder: bool) -> str:
     return "folder" if folder else "file"
+
+
+def check_utf8(text: str, option: str) -> None:
+    """``ValueError`` for text that is not UTF-8: a shell passes any bytes (``$'ab\\xff'``), and Python
+    keeps the ones that do not decode as lone surrogates, which cannot be turned into tokens."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = os.fsencode(text[error.start])[0]
+        raise ValueError(
+            f"{option} is not UTF-8 text: byte 0x{byte:02x} at position {error.start} does not decode"
+        ) from None
+
+
+# A tiny temperature divides the logits into infinities (1e-45: NaN probabilities); long before that,
+# from about here down, sampling is as good as always taking the likeliest token, which 0 asks for.
+SMALLEST_TEMPERATURE = 1e-3
+
+
+def check_temperature(temperature: float) -> None:
+    """``ValueError`` for a sampling temperature that is neither 0 nor at least ``SMALLEST_TEMPERATURE``."""
+    if 0 < temperature < SMALLEST_TEMPERATURE:
+        raise ValueError(
+            f"--temperature must be 0 (always the likeliest token) or at least {SMALLEST_TEMPERATURE:g}, "
+            f"got {temperature:g}"
+        )

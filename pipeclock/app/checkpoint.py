@@ -17,9 +17,12 @@ On disk, one directory per checkpoint::
                          manifest: every other file's size and CRC32
 
 A save is atomic: it is written into ``step_000010.partial/`` and renamed once every rank has written its
-file, rank 0 the metadata, and the ranks together the manifest (``pipeclock.app.checkpoint_integrity``).
-A directory with the suffix is never read, and removed only by a later save of the same step, so a run
-killed mid-save leaves the previous checkpoint the newest one.
+file, rank 0 the metadata, and the ranks together the manifest (``pipeclock.app.checkpoint_integrity``),
+and once rank 0 has checked, before the rename, that the manifest lists every file ``.metadata`` indexes
+and that each is whole: a save is reported only when what export will check is there. A directory with
+the suffix is never read, and removed only by a later save of the same step. A run holds its folder for
+its whole life (``pipeclock.app.folder_lock``), so such a ``.partial`` is a dead run's, never one that
+another live run is writing; and a run killed mid-save leaves the previous checkpoint the newest one.
 
 A finished checkpoint can still be damaged later (a copy cut short, a full disk, a stray edit): which
 checkpoint a path means, checked whole before anything is loaded, and which ones ``--keep-last`` keeps,
@@ -90,11 +93,27 @@ def save(
     # DCP's save returns after every rank reported its file written and rank 0 wrote the metadata, so
     # the files are final: the ranks sum them, and the checkpoint is complete when rank 0 renames it.
     files = _manifest(partial)
+    problem = None
     if comms.get_rank() == 0:
         description = {"stages": comms.get_world_size(), **run, "step": position.step, "files": files}
         _write_json(partial / choice.RUN_FILE, description)
-        _replace_directory(partial, final)
+        problem = _incomplete(partial)
+        if problem is None:
+            _replace_directory(partial, final)
+    problem = comms.all_gather_object(problem, f"checking the save of {partial}")[0]
+    if problem:
+        raise CheckpointError(f"rank {comms.get_rank()}: saving {partial} failed: {problem}; not renamed")
     return final
+
+
+def _incomplete(partial: Path) -> str | None:
+    """What is missing from a save about to be renamed: the export check (every file in the manifest has
+    its size, every item ``.metadata`` indexes lies in a file) and every indexed file in the manifest."""
+    try:
+        integrity.quick_check(partial, every_file_listed=True)
+    except integrity.Damaged as damage:
+        return str(damage)
+    return None
 
 
 def _manifest(partial: Path) -> dict[str, dict[str, int]]:

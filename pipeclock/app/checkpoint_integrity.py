@@ -85,16 +85,20 @@ def read_run(directory: Path) -> dict:
     return run
 
 
-def quick_check(directory: Path) -> dict:
+def quick_check(directory: Path, every_file_listed: bool = False) -> dict:
     """The run description, once ``pipeclock.json``, the file sizes and ``.metadata`` are sound.
 
-    Raises ``Damaged`` for the first problem found; reads no tensor.
+    Raises ``Damaged`` for the first problem found; reads no tensor. With ``every_file_listed`` (a save
+    about to be renamed), a file ``.metadata`` indexes must also be one the manifest lists.
     """
     run = read_run(directory)
     listed = run.get("files", {})
     for name, recorded in sorted(listed.items()):
         _check_size(directory / name, recorded["bytes"])
-    _check_index(directory)
+    indexed = _check_index(directory)
+    unlisted = sorted(set(indexed) - set(listed))
+    if every_file_listed and unlisted:
+        raise Damaged(unlisted[0], f"indexed by {METADATA} but not in {RUN_FILE}'s file list")
     return run
 
 
@@ -122,8 +126,9 @@ def _check_size(path: Path, recorded: int) -> None:
         raise Damaged(path.name, f"{size} bytes where {recorded} were saved")
 
 
-def _check_index(directory: Path) -> None:
-    """``.metadata`` loads, and each item it indexes ends inside its file (what a size alone may miss)."""
+def _check_index(directory: Path) -> list[str]:
+    """``.metadata`` loads, and each item it indexes ends inside its file (what a size alone may miss);
+    the files it indexes."""
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except FileNotFoundError:
@@ -139,6 +144,7 @@ def _check_index(directory: Path) -> None:
             raise Damaged(name, "missing")
         if path.stat().st_size < end:
             raise Damaged(name, f"truncated to {path.stat().st_size} bytes, .metadata indexes {end}")
+    return sorted(ends)
 
 
 def _first_line(error: BaseException) -> str:

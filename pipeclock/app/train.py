@@ -10,23 +10,26 @@ optimizer is per rank (each rank updates only the parameters it holds), which is
 parallelism needs: no parameter lives on two ranks.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
-step (``pipeclock.app.checkpoint``); with ``resume`` it continues from the newest sound checkpoint there
-(or the run or checkpoint ``resume`` names, ``pipeclock.app.resume``), whatever the number of stages that
-saved it. Since batch k depends only on (seed, k), a resumed run sees the data the uninterrupted run would
-have seen.
+step (``pipeclock.app.checkpoint``), and holds the directory for its whole life, so that no second run
+saves there meanwhile (``pipeclock.app.folder_lock``); with ``resume`` it continues from the newest sound
+checkpoint there (or the run or checkpoint ``resume`` names, ``pipeclock.app.resume``), whatever the number
+of stages that saved it. Since batch k depends only on (seed, k), a resumed run sees the data the
+uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint, checkpoint_choice, resume
+from pipeclock.app import checkpoint, checkpoint_choice, folder_lock, resume
 from pipeclock.app.balance import check_balance, stage_cut
 from pipeclock.app.memory_fit import check_fits
 from pipeclock.app.run_checks import agree, check_loss, check_values, check_world, naming_the_rank
@@ -183,6 +186,11 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
     faults.arm(comms.get_world_size())
     agree(config)
     _check_checkpointing(config)
+    with _holding_the_folder(config.checkpoint_dir):
+        return _train(config, on_step, on_eval, on_begin)
+
+
+def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     with naming_the_rank():
         task = _checked_task(config)
         pipe, modules, shard = _build_pipeline(config, task)
@@ -218,6 +226,31 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
     return result
+
+
+@contextmanager
+def _holding_the_folder(directory: str | None) -> Iterator[None]:
+    """The run's checkpoint folder locked by rank 0 for the run's life (``folder_lock``); every rank
+    refuses, in rank 0's words, when another run holds it."""
+    if not directory:
+        yield
+        return
+    held, refusal = None, None
+    if comms.get_rank() == 0:
+        try:
+            held = folder_lock.lock(directory)
+        except folder_lock.FolderInUseError as error:
+            refusal = str(error)
+        except OSError as error:  # rank 0 alone would fail: the others must hear it, not wait
+            refusal = f"--checkpoint-dir {directory}: cannot lock it ({error.strerror})"
+    refusal = comms.all_gather_object(refusal, f"locking --checkpoint-dir {directory}")[0]
+    try:
+        if refusal:
+            raise folder_lock.FolderInUseError(f"rank {comms.get_rank()}: {refusal}")
+        yield
+    finally:
+        if held is not None:
+            folder_lock.release(held)
 
 
 def _checked_task(config: TrainConfig):

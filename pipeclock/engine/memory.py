@@ -97,7 +97,7 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
-        located = [(t.data_ptr(), t.nbytes) for t in stashed]
+        located = _located(stashed)
         self._forward[key] = self._distinct(saved + located)
         self._bytes[key] = sum(nbytes for _, nbytes in self._forward[key])
         if shape is not None:
@@ -120,7 +120,7 @@ class ActivationMeter:
         if add and key not in self._forward:  # a shape measured before: its figure is known
             held = self._known_after_input_grad[shape]
         else:
-            kept = self._distinct([(t.data_ptr(), t.nbytes) for t in tensors])
+            kept = self._distinct(_located(tensors))
             if add:
                 kept |= self._forward[key]
                 if shape is not None:
@@ -135,6 +135,13 @@ class ActivationMeter:
         self.live -= self._bytes.pop(key)
         self._forward.pop(key, None)
         self._shape_of.pop(key, None)
+
+
+def _located(tensors: list) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of each tensor. Anything else a stage returned (a number, None, a cache
+    object) holds no activation memory here, and is the engine's to refuse with its own message (what a
+    stage may send), not the meter's to trip over."""
+    return [(t.data_ptr(), t.nbytes) for t in tensors if isinstance(t, torch.Tensor)]
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -10,16 +10,20 @@ for a GPT ``gpt_sequential(GPTConfig(...))`` with the configuration the command 
 
 The checkpoint is checked whole first (``pipeclock.app.checkpoint_integrity``): a damaged file is one
 error naming it, or, when DIR is a run directory, a line saying which newer checkpoint was passed over.
+OUT is checked before anything is read: it must be writable (a probe file is written there), and an
+existing OUT is refused unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from pipeclock.app import checkpoint, checkpoint_choice
+from pipeclock.app.arguments import check_output
 from pipeclock.models.registry import describe
 
 
@@ -30,10 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and named), or one step_NNNNNN (an error if it is damaged)",
     )
     parser.add_argument("output", help="the file to write the state_dict to (torch.save)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUTPUT if it exists (else an existing one is refused)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_output(args.output, args.overwrite)
         choice = checkpoint_choice.choose(args.directory, together=False)
         if choice.path is None:
             checkpoint_choice.resolve(args.directory)  # the error saying why there is none
@@ -41,14 +51,26 @@ def run(args: argparse.Namespace) -> int:
             print(f"pipeclock export: {line}", file=sys.stderr, flush=True)
         path = choice.path
         state, run_info = checkpoint.load_full_model(path)
-    except checkpoint.CheckpointError as error:
+    except (checkpoint.CheckpointError, ValueError) as error:
         print(f"pipeclock export: error: {error}", file=sys.stderr, flush=True)
         return 2
-    torch.save(state, args.output)
+    try:
+        torch.save(state, args.output)
+    except (OSError, RuntimeError) as error:  # the disk filled up meanwhile; torch says so in a RuntimeError
+        print(f"pipeclock export: error: writing {args.output} failed: {_first_line(error)}", file=sys.stderr)
+        return 1
     print(
         f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {args.output}: {_how(run_info)}"
     )
     return 0
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    """Before the checkpoint is read: OUTPUT can be written (a probe, ``check_output``), and it is not an
+    existing file, unless ``--overwrite`` says to replace it."""
+    check_output(output, "OUTPUT")
+    if Path(output).is_file() and not overwrite:
+        raise ValueError(f"OUTPUT {output} exists; pass --overwrite to replace it, or name another file")
 
 
 def _how(run_info: dict) -> str:
@@ -56,3 +78,8 @@ def _how(run_info: dict) -> str:
         arguments = ", ".join(f"{key}={value!r}" for key, value in run_info["gpt"].items())
         return f"load it into gpt_sequential(GPTConfig({arguments}))"
     return f"load it into ShardedMLP({run_info['hidden']}, {run_info['layers']})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from pipeclock.app import checkpoint, checkpoint_choice
-from pipeclock.app.arguments import non_negative_float, non_negative_int
+from pipeclock.app.arguments import check_temperature, check_utf8, non_negative_float, non_negative_int
 from pipeclock.models.registry import describe
 from pipeclock.models.sampling import sample
 from pipeclock.models.text import ByteTokenizer
@@ -52,3 +52,5 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("--prompt must hold at least one character")
+    check_utf8(args.prompt, "--prompt")
+    check_temperature(args.temperature)

@@ -10,6 +10,7 @@ right (`pipeclock.app.loop_check`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -90,6 +91,23 @@ def command(lab: Path, lab_args: list[str], nproc: int | None = None) -> tuple[l
     return run, shlex.join(["torchrun", "--nproc-per-node", str(nproc), shown, *lab_args])
 
 
+def check_lab_arguments(lab: Path, lab_args: list[str]) -> None:
+    """The lab's own parser reads ``lab_args`` here, once, before torchrun starts any process: a wrong
+    argument is then the lab's one error line (exit code 2), not that line from every rank followed by
+    torchrun's report and traceback. Costs the lab's imports, so only when it is given arguments."""
+    spec = importlib.util.spec_from_file_location(f"pipeclock_lab_{lab.stem}", lab)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # a lab's work runs under ``if __name__ == "__main__"`` only
+    parse = getattr(module, "parse_args", None)
+    if parse is None:
+        return
+    program, sys.argv[0] = sys.argv[0], str(lab)  # argparse names the program after sys.argv[0]
+    try:
+        parse(lab_args)  # argparse's SystemExit(2), its message printed, for cli.main to return
+    finally:
+        sys.argv[0] = program
+
+
 def run(args: argparse.Namespace) -> int:
     after, lab_args = _launcher_options(args.lab_args)
     if (after.check or args.check) is not None:
@@ -99,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     nproc = next((n for n in (nproc_after, args.nproc) if n is not None), processes(lab))
     if {"-h", "--help"} & set(lab_args):
         nproc = 1  # the lab's help needs no process group, and would be printed once per process
+    if lab_args and nproc > 1:
+        check_lab_arguments(lab, lab_args)
     cmd, shown = command(lab, lab_args, nproc)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ)

@@ -23,7 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
-from pipeclock import comms
+from pipeclock import comm_blame, comms
 from pipeclock.app import interrupts, stopping
 from pipeclock.app.arguments import (
     check_output,
@@ -206,10 +206,16 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
     except Exception as error:
         if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
             return _interrupted(128 + interrupts.received(), steps)
+        comm_blame.leave_failure(_first_line(error))  # before this rank's connections close
         if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
             raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class StepsSeen:

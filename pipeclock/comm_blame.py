@@ -1,0 +1,128 @@
+"""Which rank failed first: notes the stopping ranks leave in the job's store, read by the survivors.
+
+When rank 3 of four dies, rank 2 loses its connection and stops; then rank 1 loses rank 2, and rank 0
+loses rank 1. Each survivor sees only its own neighbour go, so each would blame a rank that did not fail
+first. So a rank that stops on an error leaves one note, before its connections close, in the c10d store
+the ranks met through (torchrun's, or rank 0's without torchrun):
+
+- ``lost 2``: its connection to rank 2 closed (rank 2's process ended);
+- ``waited 2``: it gave up waiting on rank 2 (rank 2 may still be alive, waiting on someone else);
+- ``failed: <its error line>``: it stopped on an error of its own (``leave_failure``).
+
+A survivor that loses a peer follows the notes from that peer (rank 1 lost 2, rank 2 lost 3) to the rank
+where they end: a ``failed`` note is the first failure, in its own words; a rank that left no note but
+whose connection another rank lost is the rank that most likely died first. An end reached only through
+``waited`` notes, or a store that cannot be reached (it lived in rank 0, which is gone), names nobody: a
+living rank is never named as dead. A process keeps its first note only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+_STORE_TIMEOUT = datetime.timedelta(seconds=3)
+_store: dist.Store | None = None
+_unreachable = False  # tried once, and the store was not there: not tried again (each try waits)
+_left_note = False
+
+
+@dataclass(frozen=True)
+class FirstFailure:
+    """Where the notes end: ``rank``, and its own error line (None: it left none, so it most likely died);
+    ``path`` the ranks the notes went through from the peer this rank lost."""
+
+    rank: int
+    error: str | None
+    path: tuple[int, ...]
+
+
+def leave_lost(ranks: list[int], closed: bool) -> None:
+    """This rank stops because its connection to ``ranks`` closed (``closed``) or it timed out on them."""
+    if ranks:
+        _leave(("lost " if closed else "waited ") + " ".join(map(str, ranks)))
+
+
+def leave_failure(line: str) -> None:
+    """This rank stops on an error of its own: ``line`` is what it printed."""
+    _leave(f"failed: {line}")
+
+
+def first_failure(lost: list[int], closed: bool) -> FirstFailure | None:
+    """Where the notes lead from the ranks this rank lost (``closed``: their connections closed; else it
+    timed out on them). None when they lead nowhere certain or the store cannot be reached."""
+    notes = _read_notes()
+    if notes is None:
+        return None
+    ends = {end for peer in lost if (end := _follow(peer, closed, notes)) is not None}
+    return ends.pop() if len(ends) == 1 else None
+
+
+def store_lost() -> bool:
+    """Whether the notes were looked for and the store was not there (it lived in a rank that is gone)."""
+    return _unreachable
+
+
+def _follow(peer: int, closed: bool, notes: dict[int, str]) -> FirstFailure | None:
+    path, rank, strong = [], peer, closed
+    while rank not in path:
+        path.append(rank)
+        note = notes.get(rank)
+        if note is None:
+            return FirstFailure(rank, None, tuple(path)) if strong else None
+        if note.startswith("failed: "):
+            return FirstFailure(rank, note.removeprefix("failed: "), tuple(path))
+        kind, *ranks = note.split()
+        rank, strong = int(ranks[0]), kind == "lost"
+    return None  # the notes go round in a circle: ranks that waited on each other
+
+
+def _key(rank: int) -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"pipeclock/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{attempt}/stopped/{rank}"
+
+
+def _leave(note: str) -> None:
+    global _left_note
+    if _left_note or not dist.is_initialized():
+        return
+    _left_note = True
+    store = _connect()
+    if store is not None:
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.set(_key(dist.get_rank()), note)
+
+
+def _read_notes() -> dict[int, str] | None:
+    store = _connect()
+    if store is None or not dist.is_initialized():
+        return None
+    try:
+        keys = [_key(rank) for rank in range(dist.get_world_size())]
+        return {rank: store.get(key).decode() for rank, key in enumerate(keys) if store.check([key])}
+    except (RuntimeError, dist.DistError):
+        return None
+
+
+def _connect() -> dist.Store | None:
+    """A client of the store the ranks met through (a connection of its own, with a short timeout)."""
+    global _store, _unreachable
+    if _store is None and not _unreachable and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        try:  # a plain socket first: a store that is gone is then no C++ error printed at the user
+            socket.create_connection(address, timeout=_STORE_TIMEOUT.total_seconds()).close()
+            _store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=_STORE_TIMEOUT,
+                wait_for_workers=False,
+            )
+        except (OSError, RuntimeError, dist.DistError):
+            _unreachable = True
+    return _store

@@ -1,0 +1,141 @@
+"""Blame the right rank: when one rank of four dies, every survivor names it, or says it cannot know.
+
+Each survivor sees only its own neighbour's connection close; the notes the stopping ranks leave in the
+store (``pipeclock.comm_blame``) lead it to the rank that died first. The store is held outside the ranks,
+as torchrun's agent holds it; where it lived in a rank that died, a survivor says it cannot know
+(``test_comms.py``). Four pipelines of four ranks run
+at once, one per victim (``PIPECLOCK_FAULT=F:victim:1``, ``pipeclock.engine.faults``: SIGKILL at its
+forward of step 1). The ranks are forked from this process, which has torch loaded already, so the
+sixteen of them start in a second rather than in one interpreter start each.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+
+from tests.distributed import free_port
+
+WORLD = 4
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    culprit: int  # the rank that fails first
+    killed: bool  # SIGKILLed at its forward of step 1; else its loss function is wrong (its own error)
+    agent_store: bool = True  # the store held outside the ranks (torchrun's agent); else in rank 0
+
+    def reporters(self) -> list[int]:
+        return [rank for rank in range(WORLD) if rank != self.culprit or not self.killed]
+
+
+SCENARIOS = [Scenario(f"rank {victim} killed", victim, True) for victim in range(WORLD)] + [
+    Scenario("rank 3's loss function returns a tensor per sample", 3, False),
+    Scenario("rank 0 killed, and the store with it", 0, True, agent_store=False),
+]
+
+
+def _per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target) ** 2  # the mistake: not reduced to one number
+
+
+def _rank(rank: int, port: int, scenario: Scenario, report) -> None:
+    """One rank of ``scenario``: train, and report the first line of its error, as the command prints it."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0"
+    )
+    os.environ["LOCAL_WORLD_SIZE"] = str(WORLD * len(SCENARIOS))  # one intra-op thread each: no OpenMP pool
+    if scenario.killed:
+        os.environ["PIPECLOCK_FAULT"] = f"F:{scenario.culprit}:1"
+    if scenario.agent_store:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as under torchrun: the store outlives the ranks
+    from pipeclock import comm_blame, comms, schedule
+    from pipeclock.engine import faults
+
+    comms.init(backend="gloo", timeout=60)  # far beyond a step: only a hang reaches it
+    faults.arm(WORLD)
+    torch.manual_seed(rank)
+    wrong = not scenario.killed and rank == scenario.culprit
+    pipe = schedule.Pipeline(nn.Linear(8, 8), "1f1b", 4, _per_sample if wrong else nn.functional.mse_loss)
+    try:
+        for _ in range(STEPS):
+            pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+        line = "no error"
+    except Exception as error:
+        line = str(error).splitlines()[0]
+        comm_blame.leave_failure(line)  # as the train command does, before its connections close
+    report.put((scenario.name, rank, line))
+    report.close()
+    report.join_thread()  # the line is written before the process goes
+    os._exit(0)  # at once, as a failing rank does: its connections close, its peers notice
+
+
+def _lines() -> dict[str, dict[int, str]]:
+    """For each scenario, each reporting rank's error line."""
+    context = mp.get_context("fork")
+    report = context.Queue()
+    ports = [free_port() for _ in SCENARIOS]
+    processes = [
+        context.Process(target=_rank, args=(rank, port, scenario, report))
+        for scenario, port in zip(SCENARIOS, ports, strict=True)
+        for rank in range(WORLD)
+    ]
+    for process in processes:
+        process.start()
+    # The agents' stores start after the fork (a forked child must not inherit a store's threads); the
+    # ranks wait for them as they wait for torchrun's.
+    stores = [  # noqa: F841 - held until the ranks are done
+        TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        for scenario, port in zip(SCENARIOS, ports, strict=True)
+        if scenario.agent_store
+    ]
+    lines: dict[str, dict[int, str]] = {scenario.name: {} for scenario in SCENARIOS}
+    for _ in range(sum(len(scenario.reporters()) for scenario in SCENARIOS)):
+        name, rank, line = report.get(timeout=240)
+        lines[name][rank] = line
+    for process in processes:
+        process.join(30)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def lines() -> dict[str, dict[int, str]]:
+    return _lines()
+
+
+def _blamed(line: str) -> set[int]:
+    named = re.findall(r"rank (\d+) most likely died|rank (\d+) failed first", line)
+    return {int(a or b) for a, b in named}
+
+
+def test_every_survivor_names_the_rank_that_died_first(lines):
+    for scenario in SCENARIOS[:WORLD]:
+        by_rank = lines[scenario.name]
+        assert sorted(by_rank) == scenario.reporters(), (scenario.name, by_rank)
+        for rank, line in by_rank.items():
+            assert line.startswith(f"rank {rank}"), (scenario.name, line)
+            assert _blamed(line) == {scenario.culprit}, (scenario.name, line)
+
+
+def test_a_ranks_own_error_is_named_on_every_rank(lines):
+    by_rank = lines["rank 3's loss function returns a tensor per sample"]
+    assert "the loss function returned a tensor of shape (2, 8)" in by_rank[3]
+    for rank in (0, 1, 2):
+        assert _blamed(by_rank[rank]) == {3}, by_rank[rank]
+        assert "rank 3 failed first: F0 (virtual stage 3) failed: the loss function returned" in by_rank[rank]
+
+
+def test_where_the_store_died_too_a_survivor_names_no_rank_as_dead_and_says_it_cannot_know(lines):
+    for line in lines["rank 0 killed, and the store with it"].values():
+        if "lost the connection" in line:
+            assert "which rank failed first is not known here" in line, line
+            assert _blamed(line) <= {0}, line
