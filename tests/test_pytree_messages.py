@@ -15,7 +15,7 @@ from pipeclock import schedule
 from pipeclock.engine import pytree
 from pipeclock.engine.orchestrator import StageError
 from pipeclock.models.split import split_sequential
-from tests.distributed import run_ok
+from tests.distributed import run_ok, run_ranks
 
 TOLERANCE = 1e-5
 
@@ -150,3 +150,33 @@ def test_a_header_describes_structure_shapes_and_dtypes_and_decodes_to_the_same(
         == pytree.describe(tree)
         == "dict(h=float32[2, 3], ids=tuple(int64[2], bool[1]))"
     )
+
+
+class _NumberOut(nn.Module):
+    """A stage that hands on a Python number beside its tensor: ``(x, 3)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x[0] if isinstance(x, tuple) else x), 3
+
+
+def _python_value_errors(rank: int, world: int) -> str:
+    """One stage per rank, or (on one rank) a V whose two chunks hand over in memory."""
+    chunks = [_NumberOut(), _NumberOut()] if world == 1 else _NumberOut()
+    name = schedule.zb_v if world == 1 else "gpipe"
+    try:
+        schedule.Pipeline(chunks, name, 2).step(torch.randn(4, 4), torch.randn(4, 4))
+    except Exception as error:  # rank 0's own message; the rank after it loses it, and says so
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_stage_that_hands_on_a_python_value_gets_the_engines_own_message_in_memory_and_across_ranks():
+    for world in (1, 2):
+        message = run_ranks(_python_value_errors, world, timeout=10)[0].value
+        wanted = "StageError: rank 0: F0 (virtual stage 0) failed: the output of stage 0 must be a tensor"
+        assert message.startswith(wanted), (world, message)
+        assert message.endswith("found leaves of type int"), (world, message)

@@ -130,6 +130,9 @@ class Messenger:
         target = stage + 1
         dest = self._rank_of(target)
         if dest == self.rank:
+            if (target, size) not in self._announced:  # checked as a message would be, once per layout
+                pytree.check_tensors(output, f"the output of stage {stage}")
+                self._announced[(target, size)] = [leaf.shape for leaf in pytree.leaves(output)]
             self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(self._through_wire, output)
             return
         self._pass_gate()

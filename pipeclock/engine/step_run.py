@@ -198,7 +198,7 @@ class StepRun:
         start = time.perf_counter()
         try:
             self.run_action(action)
-        except (comms.CommError, BatchRefused):
+        except (comms.CommError, BatchRefused, StageError):
             raise
         except Exception as error:
             raise StageError(
