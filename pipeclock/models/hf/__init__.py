@@ -93,9 +93,11 @@ def split(
     if weights is None and isinstance(model_or_config, str | Path) and Path(model_or_config).is_dir():
         weights = model_or_config
     resolved = resolve_placement(placement, num_stages, chunks)
-    layout = find_layout(meta_model(config))
+    model = meta_model(config, seed)
+    layout = find_layout(model)
     cut = stage_cut(layout, resolved.num_virtual, balance)
-    stages = build_stages(config, cut, virtual_stages(stage, num_stages, chunks, resolved), seed, weights)
+    mine = virtual_stages(stage, num_stages, chunks, resolved)
+    stages = build_stages(model, layout, cut, mine, seed, weights)
     if isinstance(model_or_config, nn.Module):
         _copy_from(model_or_config, stages)
     return stages[0] if len(stages) == 1 else stages

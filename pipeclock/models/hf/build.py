@@ -27,7 +27,7 @@ from torch import nn
 from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie
 from pipeclock.models.hf.stage import HFStage
-from pipeclock.models.hf.structure import Layout, NotUnderstood, check_causal, find_layout
+from pipeclock.models.hf.structure import Layout, NotUnderstood, check_causal
 
 ATTENTION_DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 MIN_BYTE_VOCABULARY = 256
@@ -90,10 +90,20 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 @contextmanager
-def _seeded(seed: int):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+def _cpu_generator_kept():
+    """The global CPU generator as it was, after the family's init (which draws from it) has run."""
+    state = torch.get_rng_state()
+    try:
         yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def _init_module(model: nn.Module, module: nn.Module, seed: int, name: str) -> None:
+    """The family's own init of ``module``, drawing from the CPU generator seeded by (seed, name) alone."""
+    torch.default_generator.manual_seed(_module_seed(seed, name))
+    with torch.no_grad():
+        model._init_weights(module)
 
 
 def stage_cut(layout: Layout, num_virtual: int, balance: Sequence | None) -> list[range]:
@@ -122,37 +132,36 @@ def stage_cut(layout: Layout, num_virtual: int, balance: Sequence | None) -> lis
 
 
 def build_stages(
-    config,
+    model: nn.Module,
+    layout: Layout,
     cut: list[range],
     virtual: Sequence[int],
     seed: int = 0,
     weights: str | Path | None = None,
 ) -> list[HFStage]:
-    """The stages ``virtual`` of the model cut by ``cut``, with memory for their pieces only."""
-    model = meta_model(config, seed)
-    layout = find_layout(model)
+    """The stages ``virtual`` of the meta ``model`` cut by ``cut``, with memory for their pieces only."""
     keep = [
         n for n, c in getattr(model, layout.base).named_children() if not any(True for _ in c.parameters())
     ]
     stages = [HFStage(model, layout, cut[v], keep) for v in virtual]
-    for stage in stages:
-        _materialize(stage, model, layout, seed)
-    _tie(stages, model, layout, seed)
+    with _cpu_generator_kept():
+        for stage in stages:
+            _materialize(stage, model, seed)
+        _tie(stages, model, layout, seed)
     if weights is not None:
         load_weights(stages, weights)
     return stages
 
 
-def _materialize(stage: HFStage, model: nn.Module, layout: Layout, seed: int) -> None:
+def _materialize(stage: HFStage, model: nn.Module, seed: int) -> None:
     """Give the stage's meta tensors memory and the family's initial values, each module from its name."""
     modules = list(stage.named_modules())
     for _, module in modules:
         if _has_meta(module):
             module.to_empty(device="cpu", recurse=False)
     for name, module in reversed(modules):  # children before parents, as nn.Module.apply
-        if name and not isinstance(module, HFStage) and not _is_bare_container(module):
-            with _seeded(_module_seed(seed, name)), torch.no_grad():
-                model._init_weights(module)
+        if name and not _is_bare_container(module):
+            _init_module(model, module, seed, name)
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -180,8 +189,7 @@ def _tie(stages: list[HFStage], model: nn.Module, layout: Layout, seed: int) -> 
         return
     source = getattr(getattr(model, layout.base), layout.input_embedding)
     source.to_empty(device="cpu", recurse=False)
-    with _seeded(_module_seed(seed, f"{layout.base}.{layout.input_embedding}")), torch.no_grad():
-        model._init_weights(source)
+    _init_module(model, source, seed, f"{layout.base}.{layout.input_embedding}")
     head.weight = tie(nn.Parameter(source.weight.detach().clone()), key)
     source.to_empty(device="meta", recurse=False)
 
