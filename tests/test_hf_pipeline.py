@@ -5,10 +5,13 @@ grouped-query attention, an untied head) from tiny configs, cut by ``hf.split``,
 (``attention_mask`` and -100 labels): one pipelined step leaves the loss and every gradient within 1e-5
 relative of the unmodified HF model on one process called with ``labels=`` on the same weights.
 
-One launch per stage count p in {1, 2, 3, 4}, every schedule in each. A launch costs seconds (each rank
-imports transformers), a case a fraction of one: within a launch each schedule runs once, on GPT-2 or
-Llama in turn (the other model at the next p), with m taken in turn from {1, p, 2p + 1}; so across the
-launches every schedule meets both models and m in {1, p, 2p + 1}. GPT-2 runs with dropout at odd p.
+A launch costs seconds (each rank imports transformers), a case a fraction of one, so there is one launch
+per stage count p in {1, 2, 3, 4}, and every check of that p runs inside it (`launch`). Within a launch
+each schedule runs once, on GPT-2 or Llama in turn (the other model at the next p), with m taken in turn
+from {1, p, 2p + 1}; across the launches every schedule meets both models and m in {1, p, 2p + 1}. GPT-2
+runs with dropout at odd p. The same launches train 20 steps through ``train`` (p <= 3), and the p = 2
+run's checkpoint is exported for ``transformers`` to load. Batches whose length changes from step to step
+run in a launch of their own: the engine does not take them yet, and its failure can end the processes.
 """
 
 from __future__ import annotations
@@ -19,8 +22,16 @@ import torch
 pytest.importorskip("transformers")
 
 from pipeclock import schedule
-from tests.distributed import run_ok
-from tests.hf_cases import CONFIGS, gpt2_config, padded_batch, reference, worst_gap
+from pipeclock.app.train import TrainConfig, train
+from tests.distributed import run_ok, run_ranks
+from tests.hf_cases import (
+    CONFIGS,
+    gpt2_config,
+    llama_config,
+    padded_batch,
+    reference,
+    worst_gap,
+)
 
 TOLERANCE = 1e-5
 SCHEDULE_CHUNKS = {
@@ -60,14 +71,94 @@ def one_case(rank: int, p: int, model: str, name: str, m: int) -> float:
     return worst_gap(loss, chunks, *reference(config, 5, inputs, labels))
 
 
-def hf_cases_on(rank: int, p: int) -> dict[tuple, float]:
+def training(config_dir: str, p: int, checkpoint_dir: str | None = None) -> TrainConfig:
+    return TrainConfig(
+        model="hf", hf_config=config_dir, steps=20, batch_size=6, microbatches=3, seq_len=16,
+        eval_every=0, eval_batches=1, seed=2, checkpoint_dir=checkpoint_dir,
+    )  # fmt: skip
+
+
+def changing_lengths(rank: int, p: int) -> float:
+    """Two steps of Llama whose batches are 8 then 12 tokens long: the worst gap from one process."""
+    from pipeclock.models import hf
+
     torch.set_num_threads(1)
-    return {case: one_case(rank, p, *case) for case in cases_for(p)}
+    config = llama_config()
+    chunks = [hf.split(config, rank, p, seed=5)]
+    pipe = schedule.Pipeline(chunks, "1f1b", 2, hf.loss())
+    gaps = []
+    for tokens in (8, 12):
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        inputs, labels = padded_batch(5, tokens, seed=tokens)
+        loss = pipe.step(inputs, labels)
+        gaps.append(worst_gap(loss, chunks, *reference(config, 5, inputs, labels)))
+    return max(gaps)
+
+
+def everything_on(rank: int, p: int, workdir: str) -> dict:
+    torch.set_num_threads(1)
+    found: dict = {"matrix": {case: one_case(rank, p, *case) for case in cases_for(p)}}
+    if p <= 3:
+        checkpoints = f"{workdir}/checkpoints" if p == 2 else None
+        result = train(training(f"{workdir}/llama", p, checkpoints))
+        found["losses"], found["validation"] = result.losses, result.validation
+    return found
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """``launch(p)``: every rank's findings of the one launch on p processes (run on first use)."""
+    workdir = tmp_path_factory.mktemp("hf")
+    config = llama_config(layers=4)
+    config.vocab_size = 256
+    config.save_pretrained(str(workdir / "llama"))
+    done: dict[int, list[dict]] = {}
+
+    def findings(p: int) -> list[dict]:
+        if p not in done:
+            done[p] = run_ok(everything_on, p, str(workdir), deadline=420)
+        return done[p]
+
+    findings.workdir = workdir
+    return findings
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_every_schedule_leaves_the_one_process_hf_gradients_with_padding_ties_and_dropout(p):
-    per_rank = run_ok(hf_cases_on, p, deadline=420)
-    worst = {case: max(results[case] for results in per_rank) for case in cases_for(p)}
+def test_every_schedule_leaves_the_one_process_hf_gradients_with_padding_ties_and_dropout(launch, p):
+    per_rank = launch(p)
+    worst = {case: max(ranks["matrix"][case] for ranks in per_rank) for case in cases_for(p)}
     bad = {case: gap for case, gap in worst.items() if gap > TOLERANCE}
     assert not bad, f"the HF model's gradients differ from one process in {len(bad)} cases: {bad}"
+
+
+def test_twenty_steps_of_train_model_hf_give_one_loss_curve_on_one_two_and_three_ranks(launch):
+    curves = {p: launch(p)[0]["losses"] for p in (1, 2, 3)}
+    assert all(len(curve) == 20 for curve in curves.values())
+    assert curves[1][-1] < curves[1][0] - 0.2, "the model learns"
+    for p in (2, 3):
+        gap = max(abs(a - b) / abs(b) for a, b in zip(curves[p], curves[1], strict=True))
+        assert gap <= TOLERANCE, f"{p} ranks: the loss curve is {gap:.2e} off one rank's"
+
+
+def test_an_exported_checkpoint_loads_in_transformers_with_the_pipelines_validation_loss(launch):
+    from transformers import AutoModelForCausalLM
+
+    from pipeclock.app.cli import main
+    from pipeclock.app.hf_task import HFTask
+
+    validated = launch(2)[0]["validation"][-1][1]
+    out = launch.workdir / "exported"
+    assert main(["export", str(launch.workdir / "checkpoints"), "--hf", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    batches = HFTask(training(str(launch.workdir / "llama"), 2)).validation
+    with torch.no_grad():
+        losses = [model(input_ids=inputs, labels=labels).loss.item() for inputs, labels in batches]
+    assert abs(sum(losses) / len(losses) - validated) <= TOLERANCE * validated
+
+
+@pytest.mark.xfail(strict=False, reason="engine: shapes that change")
+def test_batches_whose_length_changes_from_step_to_step_give_the_one_process_result():
+    outcomes = run_ranks(changing_lengths, 2, deadline=120)
+    assert all(outcome.ok for outcome in outcomes), [outcome.error for outcome in outcomes]
+    assert max(outcome.value for outcome in outcomes) <= TOLERANCE

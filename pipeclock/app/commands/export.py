@@ -29,10 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a --checkpoint-dir of train (its newest sound checkpoint: damaged newer ones are skipped, "
         "and named), or one step_NNNNNN (an error if it is damaged)",
     )
-    parser.add_argument("output", help="the file to write the state_dict to (torch.save)")
+    parser.add_argument("output", nargs="?", help="the file to write the state_dict to (torch.save)")
+    parser.add_argument(
+        "--hf", metavar="OUT",
+        help="a Hugging Face model's checkpoint (train --model hf): write a save_pretrained directory OUT "
+        "that AutoModelForCausalLM.from_pretrained(OUT) loads",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.output is None) == (args.hf is None):
+        print("pipeclock export: error: give one of OUTPUT (a state_dict file) or --hf OUT", file=sys.stderr)
+        return 2
     try:
         choice = checkpoint_choice.choose(args.directory, together=False)
         if choice.path is None:
@@ -44,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except checkpoint.CheckpointError as error:
         print(f"pipeclock export: error: {error}", file=sys.stderr, flush=True)
         return 2
+    if args.hf:
+        return _export_hf(state, run_info, path, args.hf)
     torch.save(state, args.output)
     print(
         f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {args.output}: {_how(run_info)}"
@@ -56,3 +66,21 @@ def _how(run_info: dict) -> str:
         arguments = ", ".join(f"{key}={value!r}" for key, value in run_info["gpt"].items())
         return f"load it into gpt_sequential(GPTConfig({arguments}))"
     return f"load it into ShardedMLP({run_info['hidden']}, {run_info['layers']})"
+
+
+def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
+    if run_info.get("model") != "HF":
+        print(
+            f"pipeclock export: error: {path} holds {describe(run_info)}, not a Hugging Face model",
+            file=sys.stderr,
+        )
+        return 2
+    from pipeclock.models.hf.export import save_pretrained
+    from pipeclock.models.registry import hf_config
+
+    save_pretrained(state, hf_config(run_info), output)
+    print(
+        f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {output}: "
+        f"AutoModelForCausalLM.from_pretrained({output!r}) loads it"
+    )
+    return 0
