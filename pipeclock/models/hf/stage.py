@@ -148,7 +148,7 @@ class HFStage(nn.Module):
         """This stage's decoder layers, in order (the blocks ``--recompute every-K`` checkpoints)."""
         return list(getattr(self._base(), self.layout.layers).values())
 
-    blocks = decoder_layers
+    pipeline_blocks = decoder_layers
 
     def _make_prelude(self, base: nn.Module) -> nn.Module | None:
         """The base model's own forward over stand-ins for the layers (and for absent embeddings)."""
