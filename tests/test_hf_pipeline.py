@@ -71,10 +71,10 @@ def one_case(rank: int, p: int, model: str, name: str, m: int) -> float:
     return worst_gap(loss, chunks, *reference(config, 5, inputs, labels))
 
 
-def training(config_dir: str, p: int, checkpoint_dir: str | None = None) -> TrainConfig:
+def training(config_dir: str, p: int, checkpoint_dir: str | None = None, **more) -> TrainConfig:
     return TrainConfig(
         model="hf", hf_config=config_dir, steps=20, batch_size=6, microbatches=3, seq_len=16,
-        eval_every=0, eval_batches=1, seed=2, checkpoint_dir=checkpoint_dir,
+        eval_every=0, eval_batches=1, seed=2, checkpoint_dir=checkpoint_dir, **more,
     )  # fmt: skip
 
 
@@ -122,6 +122,10 @@ def everything_on(rank: int, p: int, workdir: str) -> dict:
         found["losses"], found["validation"] = result.losses, result.validation
     if p == 2:
         found["features"] = engine_features(rank, p)
+    if p == 4:  # two replicas of a 2-stage pipeline
+        for kind in ("fsdp", "ddp"):
+            run = train(training(f"{workdir}/llama", p, dp=2, data_parallel=kind))
+            found[f"losses {kind}"] = run.losses
     return found
 
 
@@ -158,6 +162,14 @@ def test_twenty_steps_of_train_model_hf_give_one_loss_curve_on_one_two_and_three
     for p in (2, 3):
         gap = max(abs(a - b) / abs(b) for a, b in zip(curves[p], curves[1], strict=True))
         assert gap <= TOLERANCE, f"{p} ranks: the loss curve is {gap:.2e} off one rank's"
+
+
+def test_two_data_parallel_replicas_of_an_hf_pipeline_follow_the_one_rank_curve(launch):
+    one_rank = launch(1)[0]["losses"]
+    for kind in ("fsdp", "ddp"):
+        curve = launch(4)[0][f"losses {kind}"]
+        gap = max(abs(a - b) / abs(b) for a, b in zip(curve, one_rank, strict=True))
+        assert gap <= TOLERANCE, f"dp 2 x pp 2 with {kind}: the loss curve is {gap:.2e} off one rank's"
 
 
 def test_an_exported_checkpoint_loads_in_transformers_with_the_pipelines_validation_loss(launch):
