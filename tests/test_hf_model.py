@@ -75,6 +75,15 @@ def test_a_split_is_the_whole_model_built_the_same_way():
             assert torch.equal(parameter, whole[name]), name
 
 
+def test_a_model_already_built_is_split_with_its_own_weights():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(llama_config())
+    state = model.state_dict()
+    for name, parameter in hf.split(model, 2, 3).named_parameters():
+        assert torch.equal(parameter, state[name]), name
+
+
 def test_a_stage_sends_plain_tensors():
     (ids, mask), _ = padded_batch(2, 8, seed=0)
     out = hf.split(llama_config(), 0, 3, seed=0)((ids, mask))

@@ -186,6 +186,12 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_pipelines_validat
     with torch.no_grad():
         losses = [model(input_ids=inputs, labels=labels).loss.item() for inputs, labels in batches]
     assert abs(sum(losses) / len(losses) - validated) <= TOLERANCE * validated
+    from pipeclock.models import hf
+
+    saved = model.state_dict()
+    for stage in range(3):  # the exported directory read back by name, a stage at a time
+        for name, parameter in hf.split(str(out), stage, 3).named_parameters():
+            assert torch.equal(parameter, saved[name]), name
 
 
 def test_recompute_on_the_decoder_layers_keeps_the_gradients_and_bf16_stays_near_the_loss(launch):
