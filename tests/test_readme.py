@@ -113,11 +113,11 @@ def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
 
 
 def test_the_readmes_python_snippets_run_and_optimize_every_chunk():
-    own_model, mesh = SNIPPETS  # "Using it on your own model", then the (dp, pp) mesh
-    snippets = [own_model, with_changes(own_model, INTERLEAVED), mesh]
+    hf_model, own_model, mesh = SNIPPETS  # "Using it on your own model" (HF, any Sequential), the mesh
+    snippets = [own_model, with_changes(own_model, INTERLEAVED), mesh, hf_model]
     ranks = run_ok(run_snippets, 2, snippets, timeout=60.0)
     for rank, results in enumerate(ranks):
-        assert [result["chunks"] for result in results] == [1, 2, 1], rank
+        assert [result["chunks"] for result in results] == [1, 2, 1, 1], rank
         assert all(result["all"] for result in results), "the optimizer holds every chunk's parameters"
         assert all(result["loss"] == other["loss"] for result, other in zip(results, ranks[0], strict=True))
 

@@ -95,6 +95,10 @@ def make_task(config) -> RegressionTask | LanguageTask:
     """The task ``config.model`` names (``mlp`` or ``gpt``); bad sizes or data fail here, before any run."""
     if config.model == "gpt":
         return LanguageTask(config)
+    if config.model == "hf":
+        from pipeclock.app.hf_task import HFTask
+
+        return HFTask(config)
     if config.model == "mlp":
         return RegressionTask(config)
     raise ValueError(f"unknown model {config.model!r}: use mlp or gpt")

@@ -53,12 +53,13 @@ from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh
 MODEL_DEFAULTS = {
     "mlp": {"layers": 16, "batch_size": 128, "steps": 60, "lr": 3e-4},
     "gpt": {"layers": 4, "batch_size": 16, "steps": 600, "lr": 3e-3},
+    "hf": {"layers": 1, "batch_size": 16, "steps": 200, "lr": 1e-3},  # layers: the HF config's (unused)
 }
 
 
 @dataclass
 class TrainConfig:
-    model: str = "mlp"  # "mlp" or "gpt"
+    model: str = "mlp"  # "mlp", "gpt" or "hf"
     schedule: str = "1f1b"
     schedule_csv: str | None = None  # a schedule from a file (torch's CSV): it replaces ``schedule``
     microbatches: int | None = None  # None: 8, or the schedule file's
@@ -88,6 +89,8 @@ class TrainConfig:
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
     balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
+    hf_config: str | None = None  # --model hf: a config.json (or its directory), random weights
+    hf_model: str | None = None  # --model hf: a local from_pretrained directory, its weights
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:

@@ -27,12 +27,19 @@ class TokenCrossEntropy:
 
     ``logits`` are ``(batch, tokens, vocab)`` and ``targets`` ``(batch, tokens)``. Given to a
     ``Pipeline``, the step's loss is the mean over every counted token of the batch, in nats.
+
+    ``shift=True`` is Hugging Face's ``labels=`` meaning: the targets are the inputs' own labels, and the
+    logits at position t predict the label at t + 1 (the first label and the last logits count for
+    nothing), so ``model(ids, labels=ids)`` trains next-token prediction.
     """
 
-    def __init__(self, ignore_index: int = -100):
+    def __init__(self, ignore_index: int = -100, shift: bool = False):
         self.ignore_index = ignore_index
+        self.shift = shift
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.shift:
+            logits, targets = logits[:, :-1], targets[:, 1:]
         return F.cross_entropy(
             logits.flatten(0, -2).float(),
             targets.flatten(),
@@ -41,7 +48,8 @@ class TokenCrossEntropy:
         )
 
     def count(self, targets: torch.Tensor) -> int:
-        return int((targets != self.ignore_index).sum())
+        counted = targets[:, 1:] if self.shift else targets
+        return int((counted != self.ignore_index).sum())
 
     def mean(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The one-device loss: the mean over the counted tokens (what a reference model computes)."""

@@ -74,7 +74,11 @@ def parse_policy(text: str | RecomputePolicy | None) -> RecomputePolicy:
 
 
 def blocks_of(chunk: nn.Module) -> list[nn.Module]:
-    """A chunk's repeated units, in order: a ``Sequential``'s children, else its one module list."""
+    """A chunk's repeated units, in order: what its ``pipeline_blocks()`` names (a Hugging Face stage's
+    decoder layers), a ``Sequential``'s children, else its one module list."""
+    named = getattr(chunk, "pipeline_blocks", None)
+    if callable(named):
+        return list(named())
     if isinstance(chunk, nn.Sequential):
         return list(chunk)
     lists = [child for child in chunk.children() if isinstance(child, nn.ModuleList | nn.ModuleDict)]

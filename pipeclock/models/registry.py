@@ -16,6 +16,10 @@ def full_model(run: dict) -> nn.Module:
     """The whole model a checkpoint's run description names, freshly initialised (weights to be loaded)."""
     if run.get("model") == "GPT":
         return gpt_sequential(GPTConfig(**run["gpt"]))
+    if run.get("model") == "HF":
+        from pipeclock.models import hf
+
+        return hf.whole(hf_config(run), seed=run.get("seed", 0))
     return ShardedMLP(run["hidden"], run["layers"], seed=run.get("seed", 0))
 
 
@@ -24,6 +28,10 @@ def describe(run: dict) -> str:
     if run.get("model") == "GPT":
         gpt = run["gpt"]
         return f"GPT {gpt['layers']} blocks x {gpt['dim']} ({gpt['heads']} heads, seq {gpt['seq_len']})"
+    if run.get("model") == "HF":
+        config = run["hf_config"]
+        kind = (config.get("architectures") or [config.get("model_type", "HF")])[0]
+        return f"{kind} {config.get('num_hidden_layers', config.get('n_layer'))} layers (Hugging Face)"
     return f"ShardedMLP {run['layers']} x {run['hidden']}"
 
 
@@ -31,9 +39,24 @@ def same_model(saved: dict, wanted: dict) -> bool:
     """Whether a checkpoint's model is the one a run asks for (size and kind; dropout may differ)."""
     if saved.get("model", "ShardedMLP") != wanted.get("model"):
         return False
+    if wanted.get("model") == "HF":
+        return _comparable(saved["hf_config"]) == _comparable(wanted["hf_config"])
     if wanted.get("model") == "GPT":
         ignore = {"dropout"}
         return {k: v for k, v in saved["gpt"].items() if k not in ignore} == {
             k: v for k, v in wanted["gpt"].items() if k not in ignore
         }
     return (saved["hidden"], saved["layers"]) == (wanted["hidden"], wanted["layers"])
+
+
+def hf_config(run: dict):
+    """The Hugging Face config a checkpoint's run description holds."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**run["hf_config"])
+
+
+def _comparable(config: dict) -> dict:
+    """An HF config without the fields that do not change the model (versions, dropout, dtype)."""
+    ignore = {"transformers_version", "torch_dtype", "dtype", "resid_pdrop", "embd_pdrop", "dropout"}
+    return {key: value for key, value in config.items() if key not in ignore}

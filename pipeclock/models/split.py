@@ -14,6 +14,7 @@ from itertools import accumulate, pairwise
 from torch import nn
 
 from pipeclock.engine.placement import Placement
+from pipeclock.engine.ties import tie, tie_key
 
 
 def partition(num_layers: int, num_stages: int) -> list[range]:
@@ -67,15 +68,31 @@ def split_sequential(
     """This rank's slice of ``seq``: an ``nn.Sequential`` for one chunk, a list of them for several.
 
     The slices keep ``seq``'s own module names (``"7"`` stays ``"7"``), so parameter names are the full
-    model's: a checkpoint written by any split loads into any other. ``placement`` (``"v"``, or a
+    model's: a checkpoint written by any split loads into any other. A Parameter that two slices share
+    is tied (``engine.ties``): its copies' gradients are summed, as one device's. ``placement`` (``"v"``, or a
     schedule's ``Placement``) says which slices are this rank's.
     """
     resolved = resolve_placement(placement, num_stages, chunks)
     ranges = partition(len(seq), resolved.num_virtual)
+    _tie_shared(seq, ranges)
     slices = [
         seq[ranges[v].start : ranges[v].stop] for v in virtual_stages(stage, num_stages, chunks, resolved)
     ]
     return slices[0] if len(slices) == 1 else slices
+
+
+def _tie_shared(seq: nn.Sequential, ranges: list[range]) -> None:
+    """A Parameter used by two slices (an embedding and a head sharing one matrix) is declared a tie
+    under its first name, so that the copies on different ranks get the summed gradient of one device."""
+    first_name = {id(p): name for name, p in seq.named_parameters()}
+    where: dict[int, set[int]] = {}
+    for stage, layers in enumerate(ranges):
+        for index in layers:
+            for parameter in seq[index].parameters():
+                where.setdefault(id(parameter), set()).add(stage)
+    for parameter in seq.parameters():
+        if len(where.get(id(parameter), ())) > 1 and tie_key(parameter) is None:
+            tie(parameter, first_name[id(parameter)])
 
 
 def partition_by_cost(costs: Sequence[float], num_stages: int) -> list[range]:

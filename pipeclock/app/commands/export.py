@@ -33,17 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a --checkpoint-dir of train (its newest sound checkpoint: damaged newer ones are skipped, "
         "and named), or one step_NNNNNN (an error if it is damaged)",
     )
-    parser.add_argument("output", help="the file to write the state_dict to (torch.save)")
+    parser.add_argument("output", nargs="?", help="the file to write the state_dict to (torch.save)")
+    parser.add_argument(
+        "--hf", metavar="OUT",
+        help="a Hugging Face model's checkpoint (train --model hf): write a save_pretrained directory OUT "
+        "that AutoModelForCausalLM.from_pretrained(OUT) loads",
+    )  # fmt: skip
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace OUTPUT if it exists (else an existing one is refused)",
+        help="replace OUTPUT (or --hf's OUT) if it exists (else an existing one is refused)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.output is None) == (args.hf is None):
+        print("pipeclock export: error: give one of OUTPUT (a state_dict file) or --hf OUT", file=sys.stderr)
+        return 2
     try:
-        _check_output(args.output, args.overwrite)
+        _check_output(args.output or args.hf, args.overwrite, "OUTPUT" if args.output else "--hf")
         choice = checkpoint_choice.choose(args.directory, together=False)
         if choice.path is None:
             checkpoint_choice.resolve(args.directory)  # the error saying why there is none
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     except (checkpoint.CheckpointError, ValueError) as error:
         print(f"pipeclock export: error: {error}", file=sys.stderr, flush=True)
         return 2
+    if args.hf:
+        return _export_hf(state, run_info, path, args.hf)
     try:
         torch.save(state, args.output)
     except (OSError, RuntimeError) as error:  # the disk filled up meanwhile; torch says so in a RuntimeError
@@ -65,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_output(output: str, overwrite: bool) -> None:
-    """Before the checkpoint is read: OUTPUT can be written (a probe, ``check_output``), and it is not an
-    existing file, unless ``--overwrite`` says to replace it."""
-    check_output(output, "OUTPUT")
+def _check_output(output: str, overwrite: bool, option: str) -> None:
+    """Before the checkpoint is read: the target can be written (a probe, ``check_output``), and it does
+    not exist, unless ``--overwrite`` says to replace it."""
+    if option == "--hf":
+        check_output(output, option, folder=True)
+        if Path(output).exists() and not overwrite:
+            raise ValueError(f"--hf {output} exists; pass --overwrite to replace it, or name another folder")
+        return
+    check_output(output, option)
     if Path(output).is_file() and not overwrite:
         raise ValueError(f"OUTPUT {output} exists; pass --overwrite to replace it, or name another file")
 
@@ -83,3 +98,25 @@ def _how(run_info: dict) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
+    if run_info.get("model") != "HF":
+        print(
+            f"pipeclock export: error: {path} holds {describe(run_info)}, not a Hugging Face model",
+            file=sys.stderr,
+        )
+        return 2
+    from pipeclock.models.hf.export import save_pretrained
+    from pipeclock.models.registry import hf_config
+
+    try:
+        save_pretrained(state, hf_config(run_info), output)
+    except (OSError, RuntimeError) as error:
+        print(f"pipeclock export: error: writing {output} failed: {_first_line(error)}", file=sys.stderr)
+        return 1
+    print(
+        f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {output}: "
+        f"AutoModelForCausalLM.from_pretrained({output!r}) loads it"
+    )
+    return 0

@@ -34,16 +34,15 @@ def run(args: argparse.Namespace) -> int:
         _check(args)
         path = checkpoint_choice.resolve(args.directory)
         model, run_info = checkpoint.load_model(path)
-        if run_info.get("model") != "GPT":
+        if run_info.get("model") not in ("GPT", "HF"):
             raise ValueError(f"{path} holds a {describe(run_info)}, not a GPT: nothing to generate text with")
     except (ValueError, checkpoint.CheckpointError) as error:
         print(f"pipeclock generate: error: {error}", file=sys.stderr, flush=True)
         return 2
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(args.prompt)
-    ids = sample(
-        model, prompt, args.tokens, run_info["gpt"]["seq_len"], args.temperature, args.top_k, args.seed
-    )
+    seq_len = run_info["gpt"]["seq_len"] if run_info["model"] == "GPT" else run_info["seq_len"]
+    ids = sample(model, prompt, args.tokens, seq_len, args.temperature, args.top_k, args.seed)
     print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
     print(tokenizer.decode(ids), flush=True)
     return 0

@@ -56,7 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
     parser.add_argument(
         "--model", default=defaults.model, choices=list(MODEL_DEFAULTS),
-        help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text (default: mlp)",
+        help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text; hf: a Hugging Face "
+        "causal LM (--hf-config or --hf-model) on real text (default: mlp)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hf-config", metavar="PATH",
+        help="--model hf: a Hugging Face config.json, or a directory holding one (random initial weights)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hf-model", metavar="DIR",
+        help="--model hf: a local from_pretrained directory (config.json and safetensors weights)",
     )  # fmt: skip
     parser.add_argument(
         "--schedule", default=defaults.schedule, choices=list(SCHEDULES), metavar="NAME",
@@ -323,6 +332,8 @@ def _headline(config: TrainConfig, world: int) -> str:
     model = f"ShardedMLP {config.layers} x {config.hidden}"
     if config.model == "gpt":
         model = f"GPT {config.layers} blocks x {config.dim} ({config.heads} heads, seq {config.seq_len})"
+    if config.model == "hf":
+        model = f"HF {config.hf_config or config.hf_model} (seq {config.seq_len})"
     replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
     per_mb /= config.dp
     fitting = f", {config.dtype}" if config.dtype != "fp32" else ""

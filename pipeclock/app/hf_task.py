@@ -1,0 +1,89 @@
+"""``train --model hf``: a Hugging Face causal LM, unmodified, on the text corpus.
+
+The model comes from ``--hf-config PATH`` (a ``config.json`` or a directory holding one: random initial
+weights from ``--seed``) or ``--hf-model DIR`` (a local ``from_pretrained`` directory: its weights, each
+rank reading only its own tensors). Nothing is downloaded. Tokens are the corpus's bytes, so the model's
+vocabulary must have at least 256 entries; the loss is HF's ``labels=`` loss (the labels are the inputs,
+shifted inside the loss), validation in bits per byte as for the GPT.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from pipeclock.app.tasks import LanguageTask
+from pipeclock.engine.placement import Placement
+
+
+def hf_source(config) -> str:
+    """The path the run's model comes from: exactly one of ``--hf-config`` and ``--hf-model``."""
+    given = [path for path in (config.hf_config, config.hf_model) if path]
+    if len(given) != 1:
+        raise ValueError("--model hf needs one of --hf-config PATH (random weights) or --hf-model DIR")
+    path = Path(given[0])
+    if not path.exists():
+        raise ValueError(
+            f"{'--hf-config' if config.hf_config else '--hf-model'} {path}: no such file or directory"
+        )
+    return str(path)
+
+
+class HFTask(LanguageTask):
+    """A Hugging Face causal LM on a byte-level corpus (``--data``, or the standard library's sources)."""
+
+    def __init__(self, config):
+        from pipeclock.models import hf
+
+        self.source = hf_source(config)
+        self.hf_config = hf.prepared_config(hf.config_of(self.source))
+        self.layout = hf.layout_of(self.hf_config)
+        self._check_fits(config)
+        super().__init__(config)
+        self.loss_fn = hf.loss()
+        self.validation = [(inputs, inputs) for inputs, _ in self.validation]
+
+    def _check_fits(self, config) -> None:
+        from pipeclock.models.hf import MIN_BYTE_VOCABULARY
+
+        vocabulary = self.hf_config.vocab_size
+        if vocabulary < MIN_BYTE_VOCABULARY:
+            raise ValueError(
+                f"{self.source}: a vocabulary of {vocabulary} tokens cannot hold the corpus's bytes "
+                f"(at least {MIN_BYTE_VOCABULARY} are needed without a tokenizer)"
+            )
+        if config.balance != "layers":
+            raise ValueError(
+                f"--balance {config.balance} does not measure Hugging Face models yet: use --balance layers"
+            )
+        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if positions is not None and config.seq_len > positions:
+            raise ValueError(f"--seq-len {config.seq_len} is longer than the model's {positions} positions")
+
+    def build(self, rank: int, world: int, placement: Placement, cut=None) -> list[nn.Module]:
+        from pipeclock.models import hf
+
+        weights = self.source if self.config.hf_model else None
+        chunks = hf.split(
+            self.hf_config, rank, world, chunks=len(placement.stages[rank]), placement=placement,
+            balance=cut, seed=self.config.seed, weights=weights,
+        )  # fmt: skip
+        return chunks if isinstance(chunks, list) else [chunks]
+
+    def batch(self, step: int, size: int):
+        inputs, _ = super().batch(step, size)
+        return inputs, inputs
+
+    def model_name(self) -> str:
+        kind = (self.hf_config.architectures or ["HF"])[0]
+        return f"{kind} {self.layout.num_layers} layers"
+
+    def run_info(self) -> dict:
+        return {
+            "model": "HF",
+            "hf_config": self.hf_config.to_dict(),
+            "seed": self.config.seed,
+            "seq_len": self.config.seq_len,
+            "corpus_sha256": self.corpus.sha256,
+        }

@@ -1,0 +1,93 @@
+"""Shared cases for the Hugging Face tests: tiny configs, padded batches, and the unmodified HF reference."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import torch
+
+from pipeclock.engine import rng
+from pipeclock.engine.ties import tie_key
+
+VOCAB = 300
+LAYERS = 6  # 8 pieces: enough for 4 ranks x 2 chunks
+
+
+def gpt2_config(dropout: float = 0.0, layers: int = LAYERS):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_embd=16, n_layer=layers, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0,
+    )  # fmt: skip
+
+
+def llama_config(layers: int = LAYERS):
+    """Grouped-query attention (4 heads, 2 key-value heads), rotary positions, an untied head."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+    )  # fmt: skip
+
+
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config}
+
+
+def padded_batch(
+    batch: int, tokens: int, seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(input_ids, attention_mask)`` and labels: sample i ends in ``i % 4`` padding positions, whose
+    labels are -100, and one more label in the middle is ignored too."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, tokens), generator=generator)
+    mask = torch.ones(batch, tokens, dtype=torch.long)
+    for sample in range(batch):
+        if sample % 4:
+            mask[sample, -(sample % 4) :] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, tokens // 2] = -100
+    return (ids, mask), labels
+
+
+def reference(config, seed: int, inputs, labels, step: int = 0):
+    """The unmodified HF model on one process, with the split's weights, called with ``labels=``:
+    its loss and every gradient by name (dropout keyed as in the split, so the masks are the same)."""
+    model = _reference_model(config.to_json_string(), seed)
+    model.zero_grad(set_to_none=True)
+    ids, mask = inputs
+    with rng.keyed(step=step, first_sample=0):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@functools.cache
+def _reference_model(config_json: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeclock.models import hf
+
+    config = AutoConfig.for_model(**json.loads(config_json))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(hf.build.prepared_config(config))
+        model.load_state_dict(hf.whole(config, seed=seed).state_dict())
+    hf.keyed_dropout(model, seed)
+    return model.train()
+
+
+def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def worst_gap(loss: float, chunks, want_loss: float, want_grads: dict) -> float:
+    """The worst relative gap of a pipelined step's loss and its chunks' gradients from the reference."""
+    gaps = [abs(loss - want_loss) / abs(want_loss)]
+    for chunk in chunks:
+        for name, parameter in chunk.named_parameters():
+            gaps.append(relative_gap(parameter.grad, want_grads[tie_key(parameter) or name]))
+    return max(gaps)

@@ -1,0 +1,131 @@
+"""``pipeclock.models.hf`` in one process: what a split holds, and one clear line for what it cannot split."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from pipeclock.engine.ties import tie_key
+from pipeclock.models import hf
+from tests.hf_cases import gpt2_config, llama_config, padded_batch
+
+
+def other_families():
+    """Qwen2 (sliding-window layers), Mistral (a sliding window everywhere), Gemma (scaled embeddings)."""
+    from transformers import GemmaConfig, MistralConfig, Qwen2Config
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)  # fmt: skip
+    return [
+        Qwen2Config(**sizes, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        MistralConfig(**sizes, sliding_window=3, head_dim=4),
+        GemmaConfig(**sizes, head_dim=4),
+    ]
+
+
+def chained(config, num_stages: int, inputs):
+    """The stages of a split run one after the other in this process (evaluation mode)."""
+    x = inputs
+    for stage in range(num_stages):
+        x = hf.split(config, stage, num_stages, seed=3).eval()(x)
+    return x
+
+
+@pytest.mark.parametrize(
+    "family", [gpt2_config, llama_config, *other_families()], ids=lambda c: type(c).__name__
+)
+def test_any_cut_of_a_family_gives_the_unmodified_models_logits(family):
+    from transformers import AutoModelForCausalLM
+
+    config = family() if callable(family) else family
+    whole = hf.whole(config, seed=3).eval()
+    model = AutoModelForCausalLM.from_config(hf.build.prepared_config(config)).eval()
+    model.load_state_dict(whole.state_dict())
+    (ids, mask), _ = padded_batch(3, 8, seed=0)
+    want = model(input_ids=ids, attention_mask=mask).logits
+    for num_stages in (1, 3, config.num_hidden_layers + 2):
+        assert torch.equal(chained(config, num_stages, (ids, mask)), want), num_stages
+
+
+def test_a_rank_holds_only_its_pieces_under_hf_names_and_the_tied_head_is_declared():
+    config = gpt2_config()
+    first, last = hf.split(config, 0, 4, seed=1), hf.split(config, 3, 4, seed=1)
+    first_names = [name for name, _ in first.named_parameters()]
+    assert first_names[:2] == ["transformer.wte.weight", "transformer.wpe.weight"]
+    assert all(
+        name.startswith(("transformer.wte", "transformer.wpe", "transformer.h.0.")) for name in first_names
+    )
+    head = dict(last.named_parameters())["lm_head.weight"]
+    assert tie_key(head) == "transformer.wte.weight"
+    assert torch.equal(head, first.transformer.wte.weight), "the copies start equal"
+    assert not any(p.is_meta for stage in (first, last) for p in [*stage.parameters(), *stage.buffers()])
+    untied = hf.split(llama_config(), 3, 4, seed=1)
+    assert tie_key(dict(untied.named_parameters())["lm_head.weight"]) is None
+
+
+def test_a_split_is_the_whole_model_built_the_same_way():
+    config = llama_config()
+    whole = dict(hf.whole(config, seed=4).named_parameters())
+    for stage in range(3):
+        for name, parameter in hf.split(config, stage, 3, seed=4).named_parameters():
+            assert torch.equal(parameter, whole[name]), name
+
+
+def test_a_model_already_built_is_split_with_its_own_weights():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(llama_config())
+    state = model.state_dict()
+    for name, parameter in hf.split(model, 2, 3).named_parameters():
+        assert torch.equal(parameter, state[name]), name
+
+
+def test_a_stage_sends_plain_tensors():
+    (ids, mask), _ = padded_batch(2, 8, seed=0)
+    out = hf.split(llama_config(), 0, 3, seed=0)((ids, mask))
+    assert isinstance(out, tuple) and all(type(t) is torch.Tensor for t in out)
+    assert torch.equal(out[1], mask)
+
+
+def test_attention_dropout_is_turned_off_with_one_warning():
+    config = gpt2_config()
+    config.attn_pdrop = 0.1
+    with pytest.warns(
+        UserWarning, match=r"attn_pdrop = 0.1: attention dropout cannot be made exact"
+    ) as caught:
+        hf.split(config, 0, 2)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+
+
+def one_line_error(call) -> str:
+    with pytest.raises((ValueError, OSError)) as caught, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call()
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_what_cannot_be_split_is_one_clear_line(tmp_path):
+    from transformers import BertConfig, T5Config, ViTConfig
+
+    from pipeclock.app.hf_task import HFTask
+    from pipeclock.app.train import TrainConfig
+
+    assert "encoder-decoder" in one_line_error(lambda: hf.split(T5Config(), 0, 2))
+    assert "not a causal language model" in one_line_error(lambda: hf.split(ViTConfig(), 0, 2))
+    assert "BertLMHeadModel" in one_line_error(lambda: hf.split(BertConfig(), 0, 2))  # its head is nested
+    assert "cannot be cut into 9 stages" in one_line_error(lambda: hf.split(llama_config(), 0, 9))
+    small = tmp_path / "small"
+    gpt2_config().save_pretrained(str(small))  # 300 tokens: enough
+    tiny = llama_config()
+    tiny.vocab_size = 100
+    tiny.save_pretrained(str(tmp_path / "tiny"))
+    message = one_line_error(lambda: HFTask(TrainConfig(model="hf", hf_config=str(tmp_path / "tiny"))))
+    assert "vocabulary of 100 tokens" in message
+    message = one_line_error(lambda: hf.split(str(small), 0, 2))
+    assert "holds no weights" in message
