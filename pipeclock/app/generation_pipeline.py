@@ -73,6 +73,8 @@ class Outcome:
     texts: dict[int, bytes] = field(default_factory=dict)
     first_byte_s: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
+    weight_bytes: int = 0
+    cache_bytes: int = 0
 
 
 def split_groups(num_prompts: int, num_groups: int) -> list[list[int]]:
@@ -124,6 +126,8 @@ class StageRunner:
                 self._finish_sends()
         self._finish_sends()
         outcome.seconds = time.perf_counter() - origin
+        outcome.weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.pieces.parameters()}.values())
+        outcome.cache_bytes = sum(lane.cache.nbytes for group in self.groups for lane in group)
         if self.last:
             outcome.texts = {lane.index: lane.generated for group in self.groups for lane in group}
         return outcome

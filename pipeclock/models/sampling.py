@@ -9,7 +9,8 @@ Three rules fix the text, wherever it is computed:
 - **The window slides by halves.** The model sees at most its context (``seq_len`` bytes). When one
   more byte would not fit, the view restarts at the last ``seq_len // 2`` bytes (``window_start``):
   with a cache, those are computed again once (a prefill), and each byte after is one position again.
-- **Temperature 0 is greedy**: the likeliest byte, no draw.
+- **Temperature 0 is greedy**: the likeliest byte, no draw (as is a temperature so small that the
+  scaled logits overflow: greedy is its limit).
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ def choose(logits: torch.Tensor, temperature: float, top_k: int, draw: float) ->
     if temperature == 0:
         return int(logits.argmax())
     logits = logits.double() / temperature
+    if not torch.isfinite(logits.max()):  # so small a temperature overflows: its limit, the likeliest
+        return int(logits.argmax())
     if 0 < top_k < logits.numel():
         cutoff = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))
     cumulative = logits.softmax(-1).cumsum(-1)
     index = int(
-        torch.searchsorted(cumulative, torch.tensor([draw * float(cumulative[-1])], dtype=torch.float64))
+        torch.searchsorted(
+            cumulative, torch.tensor([draw * float(cumulative[-1])], dtype=torch.float64), right=True
+        )
     )
     return min(index, logits.numel() - 1)
 

@@ -4,9 +4,10 @@ trained GPT, on one process or cut into P stages.
 The model's configuration comes from the checkpoint (``pipeclock.json``). Each rank builds only its
 stage's pieces and reads only their weights (``checkpoint.load_weights``), then runs its share of the
 decode schedule (``generation_pipeline``): the prompts' prefill, then one byte per step, with a key/value
-cache per prompt (``--no-cache``: the whole window every byte). Prompts travel in ``--groups`` groups so
-the pipeline stays full. The last rank samples and prints as bytes come: one prompt's text byte by byte;
-several prompts' line by line, each line prefixed ``[i]``.
+cache per prompt (``--no-cache``: the whole window every byte), on one intra-op thread per rank (a
+decode step computes one byte: more threads only wait for each other, see ``docs/benchmarks.md``).
+Prompts travel in ``--groups`` groups so the pipeline stays full. The last rank samples and prints as
+bytes come: one prompt's text byte by byte; several prompts' line by line, each line prefixed ``[i]``.
 
 Prompts are bytes: ``--prompt`` as the shell passed it (``os.fsencode``: invalid UTF-8 included), a
 ``--prompts`` file read in binary, one prompt per line (blank lines skipped). The model reads bytes, so
@@ -20,6 +21,8 @@ import codecs
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint, checkpoint_choice, interrupts
@@ -47,9 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompts", metavar="FILE", help="more prompts, one per line (blank lines skipped)")
     parser.add_argument(
-        "--tokens", "--max-new-tokens", dest="tokens", type=non_negative_int, default=200,
-        help="bytes to generate per prompt (fewer if the stop string comes)",
+        "--tokens", type=non_negative_int, default=200,
+        help="bytes to generate per prompt (fewer if the stop string comes); also --max-new-tokens",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens",
+        dest="tokens",
+        type=non_negative_int,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     parser.add_argument(
         "--temperature", type=non_negative_float, default=0.8, help="0 takes the likeliest byte"
     )
@@ -105,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
         check_output(args.png, "--png")
     GPT.stage_pieces(config, world)  # more ranks than pieces: one line, before any process waits
     rank, world = comms.init(timeout=args.timeout)
+    torch.set_num_threads(1)  # a decode step is a batch of one byte: more threads only wait for each other
     pieces = GPT.for_rank(config, rank, world)[0]
     checkpoint.load_weights(path, [pieces])
     settings = Settings(
@@ -203,6 +214,8 @@ def _report(
         file=sys.stderr,
         flush=True,
     )
+    held = ", ".join(f"{o.weight_bytes / 2**20:.2f} + {o.cache_bytes / 2**20:.2f}" for o in every)
+    print(f"# MiB per rank, weights + key/value caches: {held}", file=sys.stderr, flush=True)
     if args.png:
         from pipeclock.observe.diagrams import draw_png
         from pipeclock.observe.timeline import Timeline
