@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,10 +34,12 @@ from pipeclock.app.arguments import (
     positive_float,
     positive_int,
 )
+from pipeclock.app.decode_schedule import decode_schedule, simulate
 from pipeclock.app.generation_pipeline import Outcome, Settings, StageRunner, split_groups
 from pipeclock.comm_errors import CommError
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.registry import describe
+from pipeclock.observe.timeline import Timeline
 
 DEFAULT_PROMPT = "def "
 
@@ -216,12 +219,32 @@ def _report(
     )
     held = ", ".join(f"{o.weight_bytes / 2**20:.2f} + {o.cache_bytes / 2**20:.2f}" for o in every)
     print(f"# MiB per rank, weights + key/value caches: {held}", file=sys.stderr, flush=True)
+    measured, predicted = timelines(every, world, groups, settings.tokens)
+    print(
+        f"# decode bubble: measured {measured.bubble_share:.1%}, simulator {predicted.bubble_share:.1%} "
+        "(every prompt's forward costing the measured median)",
+        file=sys.stderr,
+        flush=True,
+    )
     if args.png:
-        from pipeclock.observe.diagrams import draw_png
-        from pipeclock.observe.timeline import Timeline
+        from pipeclock.observe.diagrams import draw_comparison_png
 
-        timeline = Timeline([span for rank in every for span in rank.spans], world)
-        path = draw_png(
-            timeline, args.png, f"generate: {world} ranks, {len(groups)} groups (measured)", unit="s"
-        )
+        title = f"generate, {world} ranks, {len(groups)} groups"
+        panels = [(f"{title}, measured", measured), (f"{title}, simulator", predicted)]
+        path = draw_comparison_png(panels, args.png, unit="s")
         print(f"# timeline drawn to {path}", file=sys.stderr, flush=True)
+
+
+def timelines(
+    every: list[Outcome], world: int, groups: list[list[int]], tokens: int
+) -> tuple[Timeline, Timeline]:
+    """The measured timeline of every rank, and the simulator's for the same schedule, in seconds."""
+    measured = Timeline([span for outcome in every for span in outcome.spans], world)
+    sizes = [len(group) for group in groups]
+    per_prompt = (
+        statistics.median(s.compute / sizes[s.action.microbatch] for s in measured.spans)
+        if measured.spans
+        else 0.0
+    )
+    predicted = simulate(decode_schedule(world, len(groups), tokens), compute=[per_prompt * n for n in sizes])
+    return measured, predicted
