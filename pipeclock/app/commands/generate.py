@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                 return _interrupted(rank, 128 + interrupts.received())
             if rank == 0 or isinstance(error, CommError):  # the same error on every rank: said once
                 print(f"pipeclock generate: error: {error}", file=sys.stderr, flush=True)
-            return 2 if isinstance(error, ValueError) else 1
+            return 1 if isinstance(error, CommError) else 2  # bad input, or a checkpoint not there: 2
         finally:
             comms.shutdown()
 
