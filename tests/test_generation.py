@@ -60,6 +60,13 @@ def test_a_cached_step_computes_the_full_forwards_last_logits():
         with torch.no_grad():
             assert torch.allclose(logits, model(ids[:, :end])[0, -1], atol=1e-5)
     assert cache.length == 12 and all(layer.length == 12 for layer in cache.layers.values())
+    several = PromptCache(model, TINY.seq_len)
+    forward_cached(model, ids[:, :5], several)
+    logits = forward_cached(
+        model, ids[:, 5:9], several
+    )  # four tokens after a cached prefix: causal among them
+    with torch.no_grad():
+        assert torch.allclose(logits, model(ids[:, :9])[0, -1], atol=1e-5)
 
 
 def test_draws_depend_on_seed_prompt_and_position_alone_and_temperature_zero_is_greedy():

@@ -18,6 +18,9 @@ copy made from the same seed, marked with ``tie(..., "embed.wte.weight")``; the 
 copies' gradients after the backward, so the update is one device's, and checkpoints store the matrix
 once, under that name.
 
+For generation a block's attention may be given a ``LayerCache``, its keys and values for the tokens
+seen so far (``models.decoding``): a new token then costs one position. Training never passes one.
+
 Positions are rotary (RoPE): nothing to learn, and any sequence up to ``seq_len`` works. Dropout is
 ``KeyedDropout`` on the embedding and on each residual branch, so pipelined dropout equals one device's.
 """
