@@ -200,6 +200,23 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     return model, run
 
 
+def load_weights(path: str | os.PathLike, modules: Sequence[nn.Module]) -> dict:
+    """Only ``modules``' weights (one rank's stage) from the checkpoint at ``path``, and its run description.
+
+    No optimizer state and no process group: each rank reads its own keys, whatever the number of stages
+    that saved them (generation's way in). Damage is a ``CheckpointError`` naming the file, as for
+    ``load_model``.
+    """
+    problem = choice.damage(Path(path))
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+    state = {"model": GlobalView(modules).state_dict()}
+    with warnings.catch_warnings(), _explained(f"loading {path}"):
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return choice.read_run(path)
+
+
 # --- what a rank saves ---------------------------------------------------------------------------------
 
 

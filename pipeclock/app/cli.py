@@ -22,7 +22,7 @@ COMMANDS: dict[str, str] = {
     "lab": "run one of the course's labs (launches torchrun itself where the lab needs processes)",
     "bench": "compare pipeclock with torch.distributed.pipelining and one process",
     "export": "write one plain state_dict for the whole model from a checkpoint",
-    "generate": "sample text on one process from a checkpoint of train --model gpt",
+    "generate": "text from a checkpoint of train --model gpt, on one process or across stages",
     "plan": "will a model fit: memory per rank and step time for each schedule, stages, micro-batches",
     "docs": "regenerate the course's figures and outputs",
 }

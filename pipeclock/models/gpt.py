@@ -18,6 +18,9 @@ copy made from the same seed, marked with ``tie(..., "embed.wte.weight")``; the 
 copies' gradients after the backward, so the update is one device's, and checkpoints store the matrix
 once, under that name.
 
+For generation a block's attention may be given a ``LayerCache``, its keys and values for the tokens
+seen so far (``models.decoding``): a new token then costs one position. Training never passes one.
+
 Positions are rotary (RoPE): nothing to learn, and any sequence up to ``seq_len`` works. Dropout is
 ``KeyedDropout`` on the embedding and on each residual branch, so pipelined dropout equals one device's.
 """
@@ -81,10 +84,11 @@ class Embedding(nn.Module):
         self.seq_len = config.seq_len
         tie(self.wte.weight, TIED_KEY)
 
-    def forward(self, ids: torch.Tensor) -> Hidden:
-        if ids.dim() != 2 or ids.shape[1] > self.seq_len:
+    def forward(self, ids: torch.Tensor, start: int = 0) -> Hidden:
+        """``start``: the position of the first id (not 0 when earlier tokens sit in a key/value cache)."""
+        if ids.dim() != 2 or start + ids.shape[1] > self.seq_len:
             raise ValueError(f"expected token ids of shape (batch, <= {self.seq_len}), got {list(ids.shape)}")
-        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         return self.drop(self.wte(ids)), positions
 
 
@@ -97,13 +101,61 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.dim, 3 * config.dim)
         self.proj = nn.Linear(config.dim, config.dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """With a ``cache``, ``x`` holds the tokens that follow the cached ones: their keys and values join
+        the cache and their queries attend to every cached token (a new token costs one position)."""
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
         cos, sin = _rotary(positions, dim // self.heads, x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = cache.attend(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+
+
+class LayerCache:
+    """One attention layer's keys and values for the tokens seen so far, ``(batch, heads, tokens, head
+    dim)`` each, in buffers of ``capacity`` tokens allocated once (the model's context)."""
+
+    def __init__(self, attention: Attention, capacity: int, batch: int = 1, device=None):
+        weight = attention.qkv.weight
+        shape = (batch, attention.heads, capacity, weight.shape[1] // attention.heads)
+        dtype, device = weight.dtype, device or weight.device
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k``, ``v`` after the cached tokens; ``q``'s tokens attend causally to all of them."""
+        start, tokens = self.length, k.shape[2]
+        if start + tokens > self.keys.shape[2]:
+            raise ValueError(
+                f"the key/value cache holds {self.keys.shape[2]} tokens: {start} + {tokens} do not fit"
+            )
+        self.keys[:, :, start : start + tokens] = k
+        self.values[:, :, start : start + tokens] = v
+        self.length = start + tokens
+        keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        if start == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        if tokens == 1:
+            return F.scaled_dot_product_attention(q, keys, values)
+        seen = (
+            torch.arange(self.length, device=q.device)[None, :]
+            <= torch.arange(start, self.length, device=q.device)[:, None]
+        )
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
 
 
 def _rotary(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +184,9 @@ class Block(nn.Module):
         self.drop1 = KeyedDropout(config.dropout, layer=2 * index + 1, seed=config.seed)
         self.drop2 = KeyedDropout(config.dropout, layer=2 * index + 2, seed=config.seed)
 
-    def forward(self, inputs: Hidden) -> Hidden:
+    def forward(self, inputs: Hidden, cache: LayerCache | None = None) -> Hidden:
         x, positions = inputs
-        x = x + self.drop1(self.attn(self.ln1(x), positions))
+        x = x + self.drop1(self.attn(self.ln1(x), positions, cache))
         x = x + self.drop2(self.out(F.gelu(self.fc(self.ln2(x)))))
         return x, positions
 

@@ -1,0 +1,199 @@
+"""Generation: the key/value cache gives the uncached text, and the text is the same byte for byte on 1, 2
+and 3 ranks with 1, 2 or 3 groups of prompts, greedy or sampled, from checkpoints trained with the loop and
+the V placement; the decode schedule's bubble; and one clear line for each bad input."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+
+from pipeclock import comms
+from pipeclock.app import checkpoint, checkpoint_choice, cli
+from pipeclock.app.decode_schedule import decode_schedule, simulate
+from pipeclock.app.generation_pipeline import split_groups
+from pipeclock.app.train import TrainConfig, train
+from pipeclock.models.decoding import PromptCache, forward_cached
+from pipeclock.models.gpt import GPTConfig, gpt_sequential
+from pipeclock.models.sampling import choose, sample, uniform_for
+from tests.distributed import run_ok
+from tests.generation_cases import CASES, PROMPTS, STOP, TOKENS, case_name, generate_cases, stop_for
+from tests.jobs import Launch
+
+CASES_MODULE = "tests.generation_cases"
+
+TINY = GPTConfig(dim=16, layers=2, heads=2, seq_len=16, seed=3)
+TRAIN = dict(model="gpt", dim=16, layers=2, heads=2, seq_len=16, batch_size=4, microbatches=2, steps=1)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as the generate command runs (batch-one steps: more threads only spin)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_cache_gives_the_uncached_text_greedy_and_sampled_through_a_sliding_window(one_thread):
+    model = gpt_sequential(TINY).eval()
+    for temperature in (0.0, 1.0):
+        for index, prompt in enumerate(PROMPTS):
+            ids = torch.tensor(list(prompt))
+            cached = sample(model, ids, 24, TINY.seq_len, temperature, 0, 5, index, cache=True)
+            plain = sample(model, ids, 24, TINY.seq_len, temperature, 0, 5, index, cache=False)
+            assert torch.equal(cached, plain) and len(cached) == len(prompt) + 24
+
+
+def test_a_cached_step_computes_the_full_forwards_last_logits():
+    model = gpt_sequential(TINY).eval()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    cache = PromptCache(model, TINY.seq_len)
+    forward_cached(model, ids[:, :5], cache)
+    for end in range(6, 13):
+        logits = forward_cached(model, ids[:, end - 1 : end], cache)
+        with torch.no_grad():
+            assert torch.allclose(logits, model(ids[:, :end])[0, -1], atol=1e-5)
+    assert cache.length == 12 and all(layer.length == 12 for layer in cache.layers.values())
+    several = PromptCache(model, TINY.seq_len)
+    forward_cached(model, ids[:, :5], several)
+    logits = forward_cached(
+        model, ids[:, 5:9], several
+    )  # four tokens after a cached prefix: causal among them
+    with torch.no_grad():
+        assert torch.allclose(logits, model(ids[:, :9])[0, -1], atol=1e-5)
+
+
+def test_draws_depend_on_seed_prompt_and_position_alone_and_temperature_zero_is_greedy():
+    assert uniform_for(1, 2, 3) == uniform_for(1, 2, 3)
+    assert len({uniform_for(1, 2, 3), uniform_for(1, 2, 4), uniform_for(1, 3, 3), uniform_for(2, 2, 3)}) == 4
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    assert choose(logits, 0.0, 0, 0.99) == 1
+    assert choose(logits, 1e-45, 0, 0.99) == 1, "a tiny temperature tends to greedy, with no overflow"
+    assert {choose(logits, 1.0, 2, d / 10) for d in range(10)} == {1, 3}, "top-k keeps the two likeliest"
+
+
+def test_groups_are_contiguous_and_even():
+    assert split_groups(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_groups(3, 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="--groups must be between 1 and the number of prompts"):
+        split_groups(2, 3)
+
+
+def test_one_group_leaves_p_minus_1_of_p_ranks_idle_and_p_groups_keep_the_ring_full():
+    for p in (2, 3, 4):
+        alone = simulate(decode_schedule(p, 1, 50))
+        full = simulate(decode_schedule(p, p, 50))
+        assert alone.bubble_share == pytest.approx((p - 1) / p)
+        assert full.bubble_share < 0.1
+        assert 50 * p / full.makespan > 0.9 * p * (50 / alone.makespan), "p groups: about p times the bytes/s"
+
+
+def train_both_placements(rank: int, world: int, root: str) -> None:
+    for name, schedule in (("loop", "interleaved-1f1b"), ("v", "zb-v")):
+        train(TrainConfig(**TRAIN, schedule=schedule, chunks=2, checkpoint_dir=f"{root}/{name}"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("generation")
+    run_ok(train_both_placements, 2, str(root), deadline=300)
+    return [str(root / "loop"), str(root / "v")]
+
+
+@functools.cache
+def reference(directory: str, temperature: float, cache: bool, stop: bytes) -> list[str]:
+    """One process, the whole model, ``sampling.sample``: each prompt's generated bytes (hex)."""
+    model, run = checkpoint.load_model(checkpoint_choice.resolve(directory))
+    texts = []
+    for index, prompt in enumerate(PROMPTS):
+        ids = sample(
+            model, torch.tensor(list(prompt)), TOKENS, run["gpt"]["seq_len"], temperature, 0, 7, index, cache
+        )
+        made = bytes(ids.tolist()[len(prompt) :])
+        if stop and stop in made:
+            made = made[: made.index(stop) + len(stop)]
+        texts.append(made.hex())
+    return texts
+
+
+def test_the_text_is_the_same_on_1_2_and_3_ranks_with_any_groups_and_either_placement(
+    checkpoints, tmp_path, one_thread
+):
+    launches = {
+        p: Launch(tmp_path / f"p{p}", p, [str(tmp_path / f"p{p}.json"), *checkpoints], module=CASES_MODULE)
+        for p in (2, 3)
+    }
+    try:
+        found = {1: generate_cases(checkpoints)}
+    finally:
+        comms.shutdown()
+    for p, launch in launches.items():
+        launch.result()
+        found[p] = json.loads((tmp_path / f"p{p}.json").read_text())
+    for directory in checkpoints:
+        for groups, temperature, cache, stop in CASES:
+            name = case_name(directory, groups, temperature, cache, stop)
+            if stop:
+                stop = stop_for(bytes.fromhex(reference(directory, 0.0, cache=False, stop=b"")[0]))
+            expected = reference(directory, temperature, cache=False, stop=stop)
+            for p in (1, 2, 3):
+                assert found[p][name] == expected, (p, name)
+        stopped = found[1][case_name(directory, 3, 0.0, True, STOP)][0]
+        assert len(bytes.fromhex(stopped)) <= 3, (
+            "the stop string ends the first prompt's text at its third byte"
+        )
+
+
+@pytest.fixture
+def one_checkpoint(checkpoints):
+    return checkpoints[0]
+
+
+def error_of(*argv: str, world: int = 1) -> tuple[int, str]:
+    stderr, saved = io.StringIO(), os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        with redirect_stderr(stderr), redirect_stdout(io.StringIO()):
+            code = cli.main(["generate", *argv])
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
+    return code, stderr.getvalue().strip()
+
+
+def test_bad_input_is_one_clear_line(one_checkpoint, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"\n\n")
+    cases = {
+        "prompt longer than the context": (["--prompt", "x" * 17], 1,
+            "prompt is 17 bytes, longer than the model's context of 16 bytes"),
+        "empty prompts file": (["--prompts", str(empty)], 1, f"--prompts {empty} holds no prompt"),
+        "negative temperature": (["--temperature", "-0.5"], 1,
+            "argument --temperature: must be a number >= 0"),
+        "more ranks than pieces": ([], 5,
+            "has 4 pieces (embedding, blocks, head): it cannot be cut into 5 stages"),
+        "more groups than prompts": (["--groups", "2"], 1,
+            "--groups must be between 1 and the number of prompts"),
+    }  # fmt: skip
+    for name, (flags, world, expected) in cases.items():
+        code, message = error_of(one_checkpoint, *flags, world=world)
+        assert code == 2 and expected in message and message.count("\n") == 0, (name, message)
+
+
+def test_prompts_are_bytes_invalid_utf8_included_and_temperature_zero_stays_greedy(one_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"ab\xff\n\nimport os\n")
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(io.StringIO()):
+        flags = ["--prompts", str(prompts), "--tokens", "5", "--temperature", "0"]
+        assert cli.main(["generate", one_checkpoint, "--prompt", os.fsdecode(b"def "), *flags]) == 0
+    lines = out.getvalue().splitlines()
+    made = reference(one_checkpoint, 0.0, cache=False, stop=b"")
+    expected_first = (b"def " + bytes.fromhex(made[0])[:5]).decode("utf-8", "replace")
+    assert lines[0].startswith("[0] ") and (lines[0][4:] + "\n").startswith(expected_first.split("\n")[0])
+    assert sum(line.startswith("[1] ab\ufffd") for line in lines) == 1, "the bad byte reads as U+FFFD"
