@@ -144,13 +144,8 @@ def _generate_whole(args: argparse.Namespace, path, run_info: dict) -> int:
     """A Hugging Face checkpoint: the whole model on one process, without a cache, prompt after prompt."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("a Hugging Face checkpoint generates on one process: run generate without torchrun")
-    whole, _ = checkpoint.load_model(path)
+    model = _AmongBytes(checkpoint.load_model(path)[0])
     seq_len = run_info["seq_len"]
-
-    def model(ids: torch.Tensor) -> torch.Tensor:  # the run trained on bytes: sample among the bytes
-        return whole(ids)[..., :256]
-
-    model.eval = whole.eval
     print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
     for index, prompt in enumerate(read_prompts(args, seq_len)):
         ids = sample(model, torch.tensor(prompt), args.tokens, seq_len, args.temperature, args.top_k,
@@ -158,6 +153,17 @@ def _generate_whole(args: argparse.Namespace, path, run_info: dict) -> int:
         text = bytes(ids.tolist()).decode("utf-8", errors="replace")
         print(text if index == 0 and not args.prompts and len(args.prompt or []) < 2 else f"[{index}] {text}")
     return 0
+
+
+class _AmongBytes(torch.nn.Module):
+    """A model trained on bytes, sampled among the bytes only (its vocabulary may be larger)."""
+
+    def __init__(self, whole: torch.nn.Module) -> None:
+        super().__init__()
+        self.whole = whole
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.whole(ids)[..., :256]
 
 
 def read_prompts(args: argparse.Namespace, seq_len: int) -> list[list[int]]:
