@@ -97,7 +97,11 @@ def check_lab_arguments(lab: Path, lab_args: list[str]) -> None:
     torchrun's report and traceback. Costs the lab's imports, so only when it is given arguments."""
     spec = importlib.util.spec_from_file_location(f"pipeclock_lab_{lab.stem}", lab)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # a lab's work runs under ``if __name__ == "__main__"`` only
+    sys.path.insert(0, str(lab.parent))  # as when the script runs: its folder first (labs/solutions)
+    try:
+        spec.loader.exec_module(module)  # a lab's work runs under ``if __name__ == "__main__"`` only
+    finally:
+        sys.path.remove(str(lab.parent))
     parse = getattr(module, "parse_args", None)
     if parse is None:
         return
