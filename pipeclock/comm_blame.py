@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-_STORE_TIMEOUT = datetime.timedelta(seconds=3)
+# on an error path: a busy store gets time to answer, a store that is gone fails at once
+_STORE_TIMEOUT = datetime.timedelta(seconds=20)
 _store: dist.Store | None = None
 _unreachable = False  # tried once, and the store was not there: not tried again (each try waits)
 _left_note = False
@@ -40,6 +41,12 @@ class FirstFailure:
     rank: int
     error: str | None
     path: tuple[int, ...]
+
+
+def start_group() -> None:
+    """A new process group begins (``comms.init``): notes, and the store they go to, are its own."""
+    global _store, _unreachable, _left_note
+    _store, _unreachable, _left_note = None, False, False
 
 
 def leave_lost(ranks: list[int], closed: bool) -> None:

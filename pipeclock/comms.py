@@ -75,6 +75,7 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     limit = datetime.timedelta(seconds=timeout)
+    comm_blame.start_group()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(_local_rank())

@@ -34,8 +34,14 @@ def checked(command: str) -> str:
     return ran.stdout + ran.stderr
 
 
-def no_process_left() -> bool:
-    return not psutil.Process().children(recursive=True)
+def children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def no_process_left(before: set[int]) -> bool:
+    """No process the check started outlives it (ones started earlier, such as multiprocessing's
+    resource tracker from another test, are not the check's)."""
+    return not (children() - before)
 
 
 @pytest.mark.slow
@@ -69,10 +75,10 @@ def skeleton_line(name: str) -> int:
 
 
 def verdict_on(lab: int, wrong: str) -> tuple[str, float]:
-    start = time.monotonic()
+    start, before = time.monotonic(), children()
     with pytest.raises(Verdict) as raised:
         check(lab, WRONG / f"{wrong}.py")
-    assert no_process_left()
+    assert no_process_left(before)
     return str(raised.value), time.monotonic() - start
 
 

@@ -42,8 +42,6 @@ def _cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("`export` to an existing folder", ["export", run, str(tmp / "a_folder")]),
         ("`export` to an existing file (`--overwrite` replaces it)", ["export", run, str(tmp / "a_file")]),
         ("`export` to a path that cannot be written", ["export", run, "/proc/model.pt"]),
-        ("`generate --prompt $'ab\\xff'` (not UTF-8)", ["generate", run, "--prompt", "ab\udcff"]),
-        ("`generate --temperature 1e-45`", ["generate", run, "--temperature", "1e-45"]),
     ]  # fmt: skip
 
 
@@ -138,8 +136,6 @@ def test_each_names_the_path_or_flag_at_fault(printed):
         "another live run": "is in use by another run (pid PID on host HOST)",
         "existing folder": "that is a folder; name a file",
         "existing file": "exists; pass --overwrite",
-        "not UTF-8": "--prompt is not UTF-8 text: byte 0xff at position 2",
-        "1e-45": "--temperature must be 0",
         "read-only": "Read-only file system",
         "full disk": "No space left on device",
     }
@@ -199,8 +195,8 @@ def test_the_errors_page_shows_these_lines(printed):
 
 def test_a_labs_wrong_argument_is_its_own_error_before_torchrun_starts(capfd):
     """The lab's parser reads its arguments in the launcher: no rank, and no torchrun report, is started."""
-    assert main(["lab", "3", "--check", "mine.py"]) == 2
+    assert main(["lab", "3", "--bogus", "mine.py"]) == 2
     out, err = capfd.readouterr()
     assert out == ""  # no "$ torchrun ..." line: nothing was launched
-    assert err.strip().splitlines()[-1] == "03_ping_pong.py: error: unrecognized arguments: --check mine.py"
+    assert err.strip().splitlines()[-1] == "03_ping_pong.py: error: unrecognized arguments: --bogus mine.py"
     assert "Traceback" not in err

@@ -136,29 +136,3 @@ def _probe(folder: Path, create_folder: bool) -> None:
 
 def _kind(folder: bool) -> str:
     return "folder" if folder else "file"
-
-
-def check_utf8(text: str, option: str) -> None:
-    """``ValueError`` for text that is not UTF-8: a shell passes any bytes (``$'ab\\xff'``), and Python
-    keeps the ones that do not decode as lone surrogates, which cannot be turned into tokens."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        byte = os.fsencode(text[error.start])[0]
-        raise ValueError(
-            f"{option} is not UTF-8 text: byte 0x{byte:02x} at position {error.start} does not decode"
-        ) from None
-
-
-# A tiny temperature divides the logits into infinities (1e-45: NaN probabilities); long before that,
-# from about here down, sampling is as good as always taking the likeliest token, which 0 asks for.
-SMALLEST_TEMPERATURE = 1e-3
-
-
-def check_temperature(temperature: float) -> None:
-    """``ValueError`` for a sampling temperature that is neither 0 nor at least ``SMALLEST_TEMPERATURE``."""
-    if 0 < temperature < SMALLEST_TEMPERATURE:
-        raise ValueError(
-            f"--temperature must be 0 (always the likeliest token) or at least {SMALLEST_TEMPERATURE:g}, "
-            f"got {temperature:g}"
-        )

@@ -66,9 +66,17 @@ def _launcher_options(lab_args: list[str]) -> tuple[argparse.Namespace, list[str
 
 def check(number: int, learner: Path) -> int:
     """``lab N --check FILE``: the checker's answer, printed; 0 when the loop is right."""
-    from pipeclock.app.loop_check import Verdict
+    from pipeclock.app.loop_check import EXERCISES, Verdict
     from pipeclock.app.loop_check import check as check_loop
 
+    if number not in EXERCISES:
+        labs = ", ".join(map(str, EXERCISES))
+        print(f"pipeclock lab: error: lab {number} has no loop to check; the labs that do: {labs}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not learner.is_file():
+        print(f"pipeclock lab: error: --check {learner}: no such file", file=sys.stderr)
+        return 2
     print(f"checking {learner} for lab {number}, on 2 and 4 processes...", flush=True)
     try:
         print(check_loop(number, learner))
