@@ -40,10 +40,11 @@ def compute_cost(_rank: int, instruction: program.Instruction) -> float:
     p=st.integers(1, 8),
     m=st.integers(1, 16),
     replicas=st.booleans(),
+    receives=st.sampled_from(program.RECEIVES),
 )
-def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, m, replicas):
+def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, m, replicas, receives):
     table = generate(name, p, m, chunks_for(name))
-    programs = program.lower(table, replicas=replicas, ties=True)
+    programs = program.lower(table, replicas=replicas, ties=True, receives=receives)
     program.check(programs)
     program.simulate_program(programs, compute_cost, latency=0.5)
     for rank, rank_program in enumerate(programs):
@@ -61,9 +62,13 @@ def test_with_free_messages_a_program_takes_as_long_as_its_schedule(name, p, m):
     assert timeline.makespan == simulate(table, COSTS).makespan
 
 
-def test_a_receive_is_posted_one_compute_ahead_and_stage_0_runs_its_first_forward_at_once():
-    rows = program.describe(program.lower(generate("1f1b", 2, 3))).splitlines()
-    assert rows == [
+def test_a_receive_is_posted_just_before_its_compute_or_one_compute_ahead_when_asked():
+    table = generate("1f1b", 2, 3)
+    assert program.describe(program.lower(table)).splitlines() == [
+        "rank 0: SIZES 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2 LOSS",
+        "rank 1: SIZES 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 LOSS",
+    ]
+    assert program.describe(program.lower(table, receives="ahead")).splitlines() == [
         "rank 0: SIZES 0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0B0 0RECV_B1 0F2 0SEND_F2 0RECV_B2 0B1 0B2 LOSS",
         "rank 1: SIZES 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1B2 1SEND_B2 LOSS",
     ]
@@ -111,7 +116,7 @@ def test_torchs_own_checker_finds_no_deadlock_in_pipeclocks_programs(name, p, m,
     table = generate(name, p, m, chunks_for(name))
     placement = placement_of(table)
     table = Schedule(table, placement)
-    table.programs = program.lower(table, receives="at_use")
+    table.programs = program.lower(table)
     order = torch_order(save_csv(table, tmp_path / "p.csv", format="compute_comms"))
     simulated = torch_schedules._simulate_comms_compute(
         order, lambda stage: placement.owner(stage)[0], placement.num_virtual

@@ -106,7 +106,7 @@ class Pipeline:
         replicas: Replicas | None = None,
         recompute: str | RecomputePolicy | None = None,
         dtype: str | Precision | None = None,
-        receives: str = "ahead",
+        receives: str = "at_use",
     ):
         self.group = group
         self.peers = _group_ranks(group)  # global rank of each pipeline rank

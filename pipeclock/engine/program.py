@@ -13,12 +13,12 @@ lives. ``lower`` adds what the step exchanges, in torch's words where torch has 
   shape key reach every rank, first), ``SUM_TIED`` (tied weights' gradients summed across stages) and
   ``LOSS`` (the last stage's loss reaches every rank, last).
 
-Lowering choices, visible in the program: a rank posts the receive of its next compute one compute
-ahead, so the data travels while it computes (the gradient of a forward it has not run yet is posted
-just before the backward: its shape comes from that forward's output); the rank holding stage 0 posts
-nothing before its first forward, which runs while the sizes travel; two stages on one rank hand over
-in memory, with no message. ``simulate_program`` runs the same lists with costs for compute and
-messages; ``check`` refuses a program whose messages do not match or that cannot finish.
+Lowering choices, visible in the program: a rank posts a receive just before the compute that uses it
+(or, with ``receives="ahead"``, one compute earlier: measured, no gain, see ``docs/benchmarks.md``);
+the rank holding stage 0 runs its first forward while the sizes travel; a pair sends after both
+halves; two stages on one rank hand over in memory, with no message. ``simulate_program`` runs the
+same lists with costs for compute and messages; ``check`` refuses a program whose messages do not
+match.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def lower(
     replicas: bool = False,
     ties: bool = False,
     placement: Placement | None = None,
-    receives: str = "ahead",
+    receives: str = "at_use",
 ) -> list[Program]:
     """Every rank's program for ``schedule`` (a pure function of the schedule and its options).
 
