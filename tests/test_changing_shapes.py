@@ -20,19 +20,10 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.ties import tie_key
 from pipeclock.model import ShardedMLP
 from pipeclock.models.gpt import GPT, GPTConfig, gpt_sequential
+from tests.cases import SCHEDULE_CHUNKS, V_PLACED
 from tests.distributed import run_ok
 
 TOLERANCE = 1e-5
-SCHEDULE_CHUNKS = {
-    "naive": 1,
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-v": 2,
-    "dualpipev": 2,
-}
-V_PLACED = ("zb-v", "dualpipev")
 # (batch, sequence length) of each step: longer, the same again, shorter, then a smaller last batch
 STEPS = ((8, 6), (8, 9), (8, 9), (8, 3), (5, 3))
 

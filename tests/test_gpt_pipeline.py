@@ -18,19 +18,10 @@ from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.gpt import GPT, GPTConfig, gpt_sequential
+from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok
 
 TOLERANCE = 1e-5
-SCHEDULE_CHUNKS = {
-    "naive": 1,
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-v": 2,
-    "dualpipev": 2,
-}
-PLACEMENT = {"zb-v": "v", "dualpipev": "v"}  # the others loop
 
 
 def config(dropout: float) -> GPTConfig:

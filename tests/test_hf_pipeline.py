@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 from pipeclock import schedule
 from pipeclock.app.train import TrainConfig, train
+from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok, run_ranks
 from tests.hf_cases import (
     CONFIGS,
@@ -34,16 +35,6 @@ from tests.hf_cases import (
 )
 
 TOLERANCE = 1e-5
-SCHEDULE_CHUNKS = {
-    "naive": 1,
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-v": 2,
-    "dualpipev": 2,
-}
-PLACEMENT = {"zb-v": "v", "dualpipev": "v"}
 
 
 def cases_for(p: int) -> list[tuple[str, str, int]]:
