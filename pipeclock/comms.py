@@ -309,10 +309,9 @@ def irecv(
     dtype: torch.dtype = torch.float32,
     tag: int = 0,
     what: str | None = None,
-    into: torch.Tensor | None = None,
 ) -> PendingRecv:
     """Start receiving a tensor of known ``shape``/``dtype`` from ``src``; ``what`` names it in errors."""
-    tensor = torch.empty(shape, dtype=dtype, device=device()) if into is None else into
+    tensor = torch.empty(shape, dtype=dtype, device=device())
     group, peer = comm_channels.route(get_rank(), "from", src)
     work = _posted(lambda: group.recv([tensor], peer, tag), what, "receiving", tensor.shape, "from", src)
     return PendingRecv(work, tensor, src, what)
