@@ -65,8 +65,8 @@ def command(monkeypatch, capsys):
             "argument --stages/-p: must be a positive integer, got 0",
         ),
         (
-            ["schedule", "1f1b", "-p", "2", "-m", "2", "--latency", "-1"],
-            "argument --latency: must be a number",
+            ["schedule", "1f1b", "-p", "2", "-m", "2", "--link-latency", "-1"],
+            "argument --link-latency: must be a number",
         ),
         (
             ["plan", "--params", "1e9", "--layers", "0"],

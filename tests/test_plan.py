@@ -26,6 +26,7 @@ from pipeclock.observe.rank_memory import (
     unmetered_peak,
     working_peak,
 )
+from pipeclock.observe.simulate import Link
 from pipeclock.observe.sizes import parse_bytes
 from tests.distributed import run_ok
 
@@ -170,6 +171,14 @@ def test_the_step_time_is_the_simulator_fed_with_each_stages_own_costs():
     assert step_time(model, cut, gpipe(2, 1), action_overhead=0.5).makespan == 9 + 4 * 0.5
 
 
+def test_the_step_time_charges_each_message_the_links_latency_and_its_bytes():
+    model = layers(3)  # each layer hands on a (16, 1000) float32 tensor: 64 KB
+    cut = [range(0, 2), range(2, 3)]
+    free = step_time(model, cut, gpipe(2, 1)).makespan
+    slow = step_time(model, cut, gpipe(2, 1), link=Link(latency=0.25, bandwidth=64_000 / 0.5))
+    assert slow.makespan == free + 2 * (0.25 + 0.5)  # one activation, one gradient, each 64 KB
+
+
 def test_judging_a_configuration_cuts_sizes_and_simulates_it():
     plan = judge(layers(4), "1f1b", 2, 4)
     assert [len(part) for part in plan.cut] == [2, 2]
@@ -232,6 +241,7 @@ def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys)
         (["--params", "1e6", "--schedules", "2f2b"], "unknown schedule '2f2b'"),
         (["--params", "1e6", "--recompute", "some"], "unknown recompute 'some'"),
         (["--params", "1e6", "--action-overhead", "1"], "--action-overhead needs a measured model"),
+        (["--params", "1e6", "--link-latency", "500"], "--link-latency needs a measured model"),
         (["--params", "1e6", "--runtime-memory", "2XB"], "unknown unit 'XB'"),
     ],
 )

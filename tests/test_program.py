@@ -1,8 +1,8 @@
 """The step as a program: what a lowered schedule says each rank sends, receives and computes.
 
 Every program of every schedule matches each send with one receive between the right ranks, finishes
-when simulated, and keeps each rank's compute actions in the schedule's order; with free messages it
-takes exactly as long as the schedule's compute-only simulation. Saved in torch's ``compute_comms``
+when simulated, and keeps each rank's compute actions in the schedule's order; with free messages each
+compute starts as soon as its rank is free and its inputs are computed. Saved in torch's ``compute_comms``
 format it reads back as the same program, and torch's own checker (``_simulate_comms_compute``) finds
 no deadlock in it. A file whose messages do not match, or that would wait for ever, is refused naming
 the rank and the cell.
@@ -11,6 +11,7 @@ the rank and the cell.
 from __future__ import annotations
 
 import csv
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipeclock.engine import program
-from pipeclock.engine.actions import Schedule, placement_of
+from pipeclock.engine.actions import Action, Schedule, dependencies, placement_of
 from pipeclock.engine.csv_schedule import ScheduleFileError, load_csv, save_csv
 from pipeclock.engine.generators import SCHEDULES, chunks_of, generate
 from pipeclock.observe.simulate import simulate
@@ -40,11 +41,10 @@ def compute_cost(_rank: int, instruction: program.Instruction) -> float:
     p=st.integers(1, 8),
     m=st.integers(1, 16),
     replicas=st.booleans(),
-    receives=st.sampled_from(program.RECEIVES),
 )
-def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, m, replicas, receives):
+def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, m, replicas):
     table = generate(name, p, m, chunks_for(name))
-    programs = program.lower(table, replicas=replicas, ties=True, receives=receives)
+    programs = program.lower(table, replicas=replicas, ties=True)
     program.check(programs)
     program.simulate_program(programs, compute_cost, latency=0.5)
     for rank, rank_program in enumerate(programs):
@@ -56,21 +56,35 @@ def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 4), (3, 5), (4, 8)])
-def test_with_free_messages_a_program_takes_as_long_as_its_schedule(name, p, m):
+def test_with_free_messages_each_compute_starts_once_its_rank_is_free_and_its_inputs_exist(name, p, m):
     table = generate(name, p, m, chunks_for(name))
-    timeline = program.simulate_program(program.lower(table), compute_cost)
-    assert timeline.makespan == simulate(table, COSTS).makespan
+    timeline = simulate(table, COSTS)
+    placement = placement_of(table)
+    ended = {(span.rank, span.action): span.end for span in timeline.spans}
+    for rank, actions in enumerate(table):  # an I gives the input's gradient, as a B does
+        ended.update(
+            {(rank, Action("B", a.microbatch, a.chunk)): ended[(rank, a)] for a in actions if a.op == "I"}
+        )
+    sent = dict(ended)  # another rank's data leaves when its group ends: a pair sends after both halves
+    for rank, actions in enumerate(table):
+        for first, second in itertools.pairwise(actions):
+            if first.overlap:
+                sent[(rank, first)] = ended[(rank, second)]
+    for rank in range(p):
+        free = 0.0
+        for span in timeline.spans_of(rank):
+            needs = dependencies(span.action, rank, placement)
+            inputs = [(ended if r == rank else sent)[(r, a)] for r, a in needs]
+            assert span.start == max([free, *inputs]), (rank, span)
+            free = span.end
+    assert timeline.makespan == program.simulate_program(program.lower(table), compute_cost).makespan
 
 
-def test_a_receive_is_posted_just_before_its_compute_or_one_compute_ahead_when_asked():
+def test_a_receive_is_posted_just_before_the_compute_that_uses_it():
     table = generate("1f1b", 2, 3)
     assert program.describe(program.lower(table)).splitlines() == [
         "rank 0: SIZES 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2 LOSS",
         "rank 1: SIZES 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 LOSS",
-    ]
-    assert program.describe(program.lower(table, receives="ahead")).splitlines() == [
-        "rank 0: SIZES 0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0B0 0RECV_B1 0F2 0SEND_F2 0RECV_B2 0B1 0B2 LOSS",
-        "rank 1: SIZES 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1RECV_F2 1B1 1SEND_B1 1F2 1B2 1SEND_B2 LOSS",
     ]
 
 

@@ -8,8 +8,8 @@ from pipeclock.app.train import TrainConfig, schedule_table
 from pipeclock.engine.generators import one_f_one_b
 from pipeclock.engine.orchestrator import StepRecord
 from pipeclock.observe.metrics import RankRun, RunReport
-from pipeclock.observe.report import median_step, runs_figure, summary_lines
-from pipeclock.observe.simulate import simulate
+from pipeclock.observe.report import median_step, predicted_timeline, runs_figure, summary_lines
+from pipeclock.observe.simulate import Link, simulate
 from pipeclock.observe.timeline import Span
 
 SCHEDULE = one_f_one_b(2, 4)
@@ -78,6 +78,21 @@ def test_the_summary_and_the_picture_quote_the_same_median_step():
     assert abs(1 - sum(busy) / 2 - step.timeline.bubble_share) < 0.001, (
         "the ranks' busy shares are that step's"
     )
+
+
+def test_a_prediction_charges_each_message_the_link_and_the_bytes_the_run_sent():
+    report = recorded_run([(0.001, 0.0, 0.0), (0.001, 0.0, 0.0)])
+    for run in report.ranks:
+        for record in run.steps:
+            record.sent_bytes = 4 * 2**20  # 1F1B p = 2, m = 4: each rank sends 4 messages of 1 MiB
+    free = predicted_timeline(report, SCHEDULE)
+    linked = predicted_timeline(report, SCHEDULE, Link(latency=0.001, bandwidth=2**20 / 0.002))
+    assert linked.makespan > free.makespan + 2 * 0.003  # the first activation and the last gradient
+    assert linked.spans_of(1)[0].start == free.spans_of(1)[0].start + 0.003
+    printed = "\n".join(
+        summary_lines(report, "1f1b", SCHEDULE, 32, Link(latency=0.001, bandwidth=2**20 / 0.002))
+    )
+    assert f"simulated with the measured op times {linked.bubble_share:.1%}" in printed
 
 
 def test_a_prediction_simulates_the_actions_the_engine_ran():

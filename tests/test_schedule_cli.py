@@ -54,9 +54,11 @@ def test_an_interleaved_schedule_takes_chunks_and_counts_time_in_stages(schedule
 
 
 def test_costs_and_latency_change_the_simulation(schedule_command):
-    _, out, _ = schedule_command("gpipe", "-p", "2", "-m", "2", "--costs", "1,2,1", "--latency", "0.5")
-    # Rank 1: F0 1.5-2.5, F1 2.5-3.5, B0 3.5-6.5, B1 6.5-9.5 (B+W = 3); rank 0: B0 7-10, B1 10-13.
-    assert "makespan          13\n" in out
+    _, out, _ = schedule_command("gpipe", "-p", "2", "-m", "2", "--costs", "1,2,1", "--link-latency", "0.5")
+    # A message leaves once its receive is posted, just before the compute that uses it (B = I + W = 3).
+    # Rank 1: F0 1.5-2.5; F1 sent at 2 but posted at 2.5, so 3-4; B0 4-7, B1 7-10.
+    # Rank 0: B0's gradient posted at 2, sent at 7: 7.5-10.5; B1's sent at 10, posted at 10.5: 11-14.
+    assert "makespan          14\n" in out
 
 
 def test_compare_prints_one_row_per_schedule_and_draws_one_png(schedule_command, tmp_path):
@@ -88,7 +90,7 @@ def test_png_draws_the_single_schedule(schedule_command, tmp_path):
         (["1f1b", "-m", "2"], "--stages is required"),
         (["gpipe", "-p", "2", "-m", "2", "--chunks", "2"], "one chunk per rank"),
         (["1f1b", "-p", "2", "-m", "2", "--costs", "1,2"], "--costs must be three numbers"),
-        (["1f1b", "-p", "2", "-m", "2", "--latency", "-1"], "argument --latency: must be a number >= 0"),
+        (["1f1b", "-p", "2", "-m", "2", "--link-latency", "-1"], "--link-latency: must be a number >= 0"),
         (["-p", "2", "-m", "2"], "name a schedule"),
     ],
 )

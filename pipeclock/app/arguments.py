@@ -136,3 +136,25 @@ def _probe(folder: Path, create_folder: bool) -> None:
 
 def _kind(folder: bool) -> str:
     return "folder" if folder else "file"
+
+
+def add_link_arguments(parser) -> None:
+    """``--link-latency`` and ``--link-bandwidth``: what the simulator charges each message."""
+    parser.add_argument(
+        "--link-latency", type=non_negative_float, default=0.0, metavar="US",
+        help="a message's fixed cost in microseconds, one way (about half the round trip of a small "
+        "message in python -m pipeclock lab 3) (default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--link-bandwidth", type=positive_float, metavar="MIB/S",
+        help="the link's bandwidth in MiB/s, as lab 3 prints it for a large message (default: bytes cost "
+        "nothing)",
+    )  # fmt: skip
+
+
+def link_from(args: argparse.Namespace):
+    """The ``Link`` those two flags describe, in seconds and bytes per second."""
+    from pipeclock.observe.simulate import Link
+
+    bandwidth = args.link_bandwidth * 2**20 if args.link_bandwidth else None
+    return Link(args.link_latency / 1e6, bandwidth)

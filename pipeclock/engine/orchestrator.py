@@ -89,8 +89,7 @@ class Pipeline:
     ``recompute`` (``"none"``, ``"full"``, ``"every-K"``: ``pipeclock.engine.recompute``) checkpoints the
     chunks' blocks, in place: the same math with less activation memory. ``dtype="bf16"`` runs the
     forwards under autocast with float32 weights and gradients, and sends bf16 messages
-    (``pipeclock.engine.precision``). ``receives`` is where the program posts receives
-    (``pipeclock.engine.program.lower``): one compute ahead, or just before the compute that uses them.
+    (``pipeclock.engine.precision``).
     The program each rank runs is ``programs[rank]``; ``evaluate`` runs ``evaluation_programs``.
     """
 
@@ -106,7 +105,6 @@ class Pipeline:
         replicas: Replicas | None = None,
         recompute: str | RecomputePolicy | None = None,
         dtype: str | Precision | None = None,
-        receives: str = "at_use",
     ):
         self.group = group
         self.peers = _group_ranks(group)  # global rank of each pipeline rank
@@ -146,10 +144,10 @@ class Pipeline:
         self.programs = (
             [add_reduce_grad(program) if replicated else program for program in written]
             if written
-            else lower(self.table, replicas=replicated, ties=True, receives=receives)
+            else lower(self.table, replicas=replicated, ties=True)
         )
         evaluation = [sorted((a for a in row if a.op == "F"), key=self._forward_order) for row in self.table]
-        self.evaluation_programs = lower(evaluation, placement=self.placement, receives=receives)
+        self.evaluation_programs = lower(evaluation, placement=self.placement)
         self.ends = StepEnds(self.rank, self.peers, self.first_rank, self.last_rank, self.device)
         self._configuration_agreed = False
         _warn_about_batch_norm(self.global_rank, self.chunks)

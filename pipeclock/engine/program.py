@@ -14,11 +14,10 @@ lives. ``lower`` adds what the step exchanges, in torch's words where torch has 
   ``LOSS`` (the last stage's loss reaches every rank, last).
 
 Lowering choices, visible in the program: a rank posts a receive just before the compute that uses it
-(or, with ``receives="ahead"``, one compute earlier: measured, no gain, see ``docs/benchmarks.md``);
-the rank holding stage 0 runs its first forward while the sizes travel; a pair sends after both
-halves; two stages on one rank hand over in memory, with no message. ``simulate_program`` runs the
-same lists with costs for compute and messages; ``check`` refuses a program whose messages do not
-match.
+(one compute earlier measured no gain: ``docs/benchmarks.md``); the rank holding stage 0 runs its
+first forward while the sizes travel; a pair sends after both halves; two stages on one rank hand
+over in memory, with no message. ``simulate_program`` runs the same lists with costs for compute and
+messages; ``check`` refuses a program whose messages do not match.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 REPLICAS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 STEP = ("SIZES", "SUM_TIED", "LOSS")
 KINDS = COMPUTE + MESSAGES + REPLICAS + STEP
-RECEIVES = ("ahead", "at_use")  # where a receive is posted: the lowering's choice
 WORDS = {
     "F": "forward of a micro-batch through a stage",
     "B": "the whole backward of a micro-batch through a stage",
@@ -94,26 +92,20 @@ def lower(
     replicas: bool = False,
     ties: bool = False,
     placement: Placement | None = None,
-    receives: str = "at_use",
 ) -> list[Program]:
     """Every rank's program for ``schedule`` (a pure function of the schedule and its options).
 
-    ``receives="ahead"`` posts each receive one compute before the compute that uses it;
-    ``"at_use"`` just before it (torch's own checker, which takes a receive to block until its send,
-    accepts only these).
+    A receive is posted just before the compute that uses it, as torch's own checker (which takes a
+    receive to block until its send) requires.
     """
-    if receives not in RECEIVES:
-        raise ValueError(f"receives must be one of {', '.join(RECEIVES)}, got {receives!r}")
     placement = placement or placement_of(schedule)
-    ahead = receives == "ahead"
     return [
-        _lower_rank(rank, list(actions), placement, replicas, ties, ahead)
-        for rank, actions in enumerate(schedule)
+        _lower_rank(rank, list(actions), placement, replicas, ties) for rank, actions in enumerate(schedule)
     ]
 
 
 def _lower_rank(
-    rank: int, actions: list[Action], placement: Placement, replicas: bool, ties: bool, ahead: bool
+    rank: int, actions: list[Action], placement: Placement, replicas: bool, ties: bool
 ) -> Program:
     program: Program = [Instruction("SIZES")]
     holds_first = placement.owner(0)[0] == rank
@@ -136,8 +128,6 @@ def _lower_rank(
         runs_ahead = number == 0 and holds_first  # stage 0's first forward runs while the sizes travel
         if not runs_ahead:
             post(number, group[0])
-            if ahead:
-                post(number + 1, group[0])
         for index in group:
             action = actions[index]
             program.append(Instruction(action.op, placement.stage(rank, action.chunk), action.microbatch,
@@ -149,8 +139,6 @@ def _lower_rank(
             chunk = actions[index].chunk
             if replicas and last_backward.get(chunk) == index:
                 program.append(Instruction("REDUCE_GRAD", placement.stage(rank, chunk)))
-        if runs_ahead and ahead:
-            post(number + 1, group[-1] + 1)
     if ties:
         program.append(Instruction("SUM_TIED"))
     program.append(Instruction("LOSS"))

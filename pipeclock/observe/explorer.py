@@ -1,9 +1,10 @@
 """The explorer: one self-contained HTML page to play with the schedules (``python -m pipeclock explore``).
 
 The page carries pipeclock's own schedules as data, every generator on a grid of stages, micro-batches
-and chunks, and times them in JavaScript by the simulator's rules (`pipeclock.observe.simulate`: a rank
-runs its list in order; an action starts when the rank is free and its inputs, per
-`pipeclock.engine.actions.dependencies`, have arrived, a message taking the latency). Its figures are
+and times them in JavaScript by the simulator's rules (`pipeclock.observe.simulate`, the rules of the
+program the engine runs: a rank runs its list in order and posts an action's receives when it reaches
+it; an action starts when the rank is free and its inputs, per `pipeclock.engine.actions.dependencies`,
+are there, a message leaving once both its ends are posted and taking the latency). Its figures are
 read as `pipeclock.observe.timeline.Timeline` reads them. Nothing is fetched: style, script and data are
 inline, so the page works from a file, offline.
 """

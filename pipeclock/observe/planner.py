@@ -14,10 +14,11 @@ from dataclasses import dataclass, replace
 
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
+from pipeclock.engine.program import Instruction
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
 from pipeclock.observe.profile import LayerCost
 from pipeclock.observe.rank_memory import RankMemory, Training, rank_memory, stage_bytes
-from pipeclock.observe.simulate import simulate
+from pipeclock.observe.simulate import Link, simulate
 from pipeclock.observe.timeline import Timeline
 
 BALANCES = ("layers", "time", "memory")
@@ -100,24 +101,30 @@ def step_time(
     cut: Sequence[range],
     table: Schedule,
     training: Training = Training(),
-    comm_latency: float = 0.0,
+    link: Link = Link(),
     action_overhead: float = 0.0,
 ) -> Timeline:
-    """The simulated step (a ``Timeline``): each action costs what its stage's layers cost, plus
-    ``action_overhead``, the engine's own time per action (its Python, posting and waiting on
-    messages), which no layer profile sees.
+    """The simulated step (a ``Timeline``) of the program the engine runs: each action costs what its
+    stage's layers cost, plus ``action_overhead``, the engine's own time per action (its Python,
+    posting and waiting on messages), which no layer profile sees; each message what ``link`` says
+    for the bytes that cross that stage boundary.
 
     F is the sum of the layers' forwards; B their backwards (I + W where the engine splits them); with
     recompute, a backward first runs the recomputed layers' forwards again.
     """
     placement = placement_of(table)
     per_stage = [_stage_times([layers[i] for i in part], training) for part in cut]
+    boundary = [layers[part[-1]].message_bytes for part in cut]  # what stage s hands to s + 1
 
     def cost(rank: int, action: Action) -> float:
         return per_stage[placement.stage(rank, action.chunk)][action.op] + action_overhead
 
+    def message_bytes(send: Instruction) -> float:
+        assert send.stage is not None
+        return boundary[send.stage if send.kind == "SEND_F" else send.stage - 1]
+
     as_run = join_first_stage_backwards(table)  # what the engine runs: a first-stage I and W as one B
-    return simulate(as_run, cost, comm_latency=comm_latency)
+    return simulate(as_run, cost, link.latency, link.bandwidth, message_bytes)
 
 
 def _stage_times(layers: Sequence[LayerCost], training: Training) -> dict[str, float]:
@@ -142,10 +149,11 @@ def judge(
     cut: Sequence[range] | None = None,
     action_overhead: float = 0.0,
     runtime_memory: int = 0,
+    link: Link = Link(),
 ) -> Plan:
     """One configuration's cut (``balance``'s, unless ``cut`` is given) and memory (each rank holding
     ``runtime_memory`` beside its model's), and (``simulated``) its step time and bubble (each action
-    costing ``action_overhead`` more than its layers)."""
+    costing ``action_overhead`` more than its layers, each message what ``link`` says)."""
     chunks = chunks_of(schedule) or (2 if supports_chunks(get_schedule(schedule)) else 1)
     table = generate(schedule, stages, microbatches, chunks)
     num_virtual = placement_of(table).num_virtual
@@ -154,5 +162,5 @@ def judge(
     plan = Plan(schedule, stages, microbatches, chunks, training, balance, tuple(cut), tuple(memory))
     if not simulated:
         return plan
-    timeline = step_time(layers, cut, table, training, action_overhead=action_overhead)
+    timeline = step_time(layers, cut, table, training, link, action_overhead)
     return replace(plan, step_time=timeline.makespan, bubble=timeline.bubble_share)

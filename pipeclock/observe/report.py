@@ -15,9 +15,10 @@ from pathlib import Path
 
 from pipeclock.engine.actions import Schedule, dependencies, placement_of
 from pipeclock.engine.generators import SCHEDULES, bubble_formula, bubble_formula_text
+from pipeclock.engine.program import lower
 from pipeclock.observe.diagrams import MAX_WIDTH, ascii_diagram, comparison_figure, duration_text, save_figure
 from pipeclock.observe.metrics import RunReport
-from pipeclock.observe.simulate import simulate
+from pipeclock.observe.simulate import Link, simulate
 from pipeclock.observe.timeline import Span, Timeline
 
 MIB = 2**20
@@ -32,10 +33,22 @@ def measured_costs(report: RunReport) -> dict[str, float]:
     return {op: statistics.median(times) * report.chunks for op, times in durations.items()}
 
 
-def predicted_timeline(report: RunReport, schedule: Schedule) -> Timeline:
-    """The simulator's timeline of ``schedule`` with this run's measured op costs (seconds)."""
+def predicted_timeline(report: RunReport, schedule: Schedule, link: Link = Link()) -> Timeline:
+    """The simulator's timeline of ``schedule``'s program with this run's measured op costs (seconds),
+    each message costing what ``link`` says for the mean bytes this run's messages carried."""
     costs = measured_costs(report)
-    return simulate(schedule, {op: cost / report.chunks for op, cost in costs.items()})
+    per_message = message_bytes(report, schedule) if link.bandwidth else 0.0
+    per_op = {op: cost / report.chunks for op, cost in costs.items()}
+    return simulate(schedule, per_op, link.latency, link.bandwidth, lambda _send: per_message)
+
+
+def message_bytes(report: RunReport, schedule: Schedule) -> float:
+    """The mean bytes of one activation or gradient message over the measured steps."""
+    sends = sum(i.kind in ("SEND_F", "SEND_B") for rank in lower(schedule) for i in rank)
+    pipelines = len(report.ranks) // len(schedule)
+    steps = range(report.warmup, len(report.timelines))
+    sent = statistics.fmean(sum(run.steps[step].sent_bytes for run in report.ranks) for step in steps)
+    return sent / (sends * pipelines) if sends else 0.0
 
 
 @dataclass(frozen=True)
@@ -70,15 +83,17 @@ def typical_step(report: RunReport) -> Timeline:
     return median_step(report).timeline
 
 
-def summary_lines(report: RunReport, schedule_name: str, schedule: Schedule, batch_size: int) -> list[str]:
+def summary_lines(
+    report: RunReport, schedule_name: str, schedule: Schedule, batch_size: int, link: Link = Link()
+) -> list[str]:
     """The end-of-run table: the median step's time, throughput and bubble (the figures `draw_runs`
-    puts in its picture's title), the formula and the simulator beside them, then per rank busy
-    share, waits, CPU and memory (means over the measured steps)."""
+    puts in its picture's title), the formula and the simulator (with ``link``) beside them, then per
+    rank busy share, waits, CPU and memory (means over the measured steps)."""
     p, chunks = len(schedule), report.chunks  # the pipeline's ranks (a replica's, with dp > 1)
     m = report.timelines[0].num_microbatches
     step = median_step(report)
     formula = bubble_formula(schedule_name, p, m, chunks) if schedule_name in SCHEDULES else None
-    predicted = predicted_timeline(report, schedule)
+    predicted = predicted_timeline(report, schedule, link)
     lines = [
         f"step time        {duration_text(step.seconds * 1e3, 'ms')} ({step.which}, the slowest rank's step "
         f"call), {batch_size / step.seconds:,.0f} samples/s",
@@ -171,21 +186,25 @@ def write_trace(report: RunReport, path: str | Path) -> Path:
 
 
 def draw_runs(
-    runs: Sequence[tuple[str, RunReport, Schedule]], path: str | Path, predicted: bool = True
+    runs: Sequence[tuple[str, RunReport, Schedule]],
+    path: str | Path,
+    predicted: bool = True,
+    link: Link = Link(),
 ) -> Path:
     """Several runs, e.g. two schedules, on one shared time axis in milliseconds, so a shorter step looks
     shorter: for each ``(title, report, schedule)``, its predicted timeline (unless ``predicted`` is
-    False) above its `median_step`."""
-    return save_figure(runs_figure(runs, predicted), path)
+    False; messages costing what ``link`` says) above its `median_step`."""
+    return save_figure(runs_figure(runs, predicted, link), path)
 
 
-def runs_figure(runs: Sequence[tuple[str, RunReport, Schedule]], predicted: bool = True):
+def runs_figure(runs: Sequence[tuple[str, RunReport, Schedule]], predicted: bool = True, link: Link = Link()):
     """The matplotlib ``Figure`` `draw_runs` saves. A measured panel's title gives the median step's
     time, makespan and bubble, as `summary_lines` prints them."""
     panels = []
     for title, report, schedule in runs:
         if predicted:
-            panels.append((f"{title}, predicted", _in_milliseconds(predicted_timeline(report, schedule))))
+            timeline = predicted_timeline(report, schedule, link)
+            panels.append((f"{title}, predicted", _in_milliseconds(timeline)))
         step = median_step(report)
         measured = f"{title}, measured, {step.which} (step time {duration_text(step.seconds * 1e3, 'ms')})"
         panels.append((measured, _in_milliseconds(step.timeline)))

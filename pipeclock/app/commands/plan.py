@@ -17,7 +17,13 @@ import itertools
 import math
 import sys
 
-from pipeclock.app.arguments import check_output, non_negative_float, positive_int
+from pipeclock.app.arguments import (
+    add_link_arguments,
+    check_output,
+    link_from,
+    non_negative_float,
+    positive_int,
+)
 from pipeclock.observe.planner import BALANCES, Plan
 from pipeclock.observe.rank_memory import OPTIMIZER_STATE_BYTES, Recompute, Training
 from pipeclock.observe.sizes import format_bytes, parse_bytes
@@ -102,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine's own time per action, added to its layers' (a measured model only): about 1 ms "
         "on 2 CPU cores over gloo (python -m benchmarks.planner measures it) (default 0)",
     )  # fmt: skip
+    add_link_arguments(grid)
     grid.add_argument(
         "--runtime-memory", default="0B", metavar="SIZE",
         help="what the engine holds per rank whatever the model (its objects, buffers, the allocator's): "
@@ -131,11 +138,13 @@ def _plan(args: argparse.Namespace) -> int:
     recomputes = [Recompute.parse(text) for text in _list(args.recompute, "--recompute")]
     training = Training(args.dtype, args.optimizer)
     model = model_layers(args)
-    if args.action_overhead and model.time_unit != "ms":
-        raise ValueError(
-            "--action-overhead needs a measured model: a rough one (--params) times its layers in layer "
-            "forwards, not milliseconds"
-        )
+    for flag, given in (("--action-overhead", args.action_overhead), ("--link-latency", args.link_latency),
+                        ("--link-bandwidth", args.link_bandwidth)):  # fmt: skip
+        if given and model.time_unit != "ms":
+            raise ValueError(
+                f"{flag} needs a measured model: a rough one (--params) times its layers in layer "
+                "forwards, not milliseconds"
+            )
     layers, unit = model.layers, model.time_unit
     stages = _stages(args.stages, len(layers))
     _check_one_layer_fits(layers, training, device, binary)
@@ -145,8 +154,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(describe_model(model, training, device, binary))
     overhead = args.action_overhead / 1e3
     plans = _search(
-        model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime
-    )
+        model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime,
+        link_from(args),
+    )  # fmt: skip
     fewest = min((plan.stages for plan in plans if plan.fits(device)), default=None)
     print()
     print("\n".join(_reasoning(model, training, device, binary, stages, plans, fewest)))
@@ -172,8 +182,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _search(
-    model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0
-):
+    model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0,
+    link=None,
+):  # fmt: skip
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
     from pipeclock.observe.planner import judge
 
@@ -187,7 +198,15 @@ def _search(
             continue  # this schedule cannot take (p, m) or this many stages
         if plan.fits(device):
             plan = judge(
-                layers, name, p, m, config, balance, action_overhead=overhead, runtime_memory=runtime
+                layers,
+                name,
+                p,
+                m,
+                config,
+                balance,
+                action_overhead=overhead,
+                runtime_memory=runtime,
+                **({"link": link} if link else {}),
             )
         plans.append(plan)
     return plans

@@ -76,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print each rank's program: its compute and the messages it sends and receives",
     )  # fmt: skip
     parser.add_argument(
-        "--latency", metavar="L", type=non_negative_float, default=0.0,
-        help="time each hop between ranks takes, in stage forwards",
+        "--link-latency", dest="latency", metavar="L", type=non_negative_float, default=0.0,
+        help="time a message between ranks takes once both sides are posted, in stage forwards (default 0); "
+        "with a model's message sizes, plan and train --png also take --link-bandwidth",
     )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the timeline into this PNG file")
 

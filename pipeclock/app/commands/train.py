@@ -26,7 +26,9 @@ from pathlib import Path
 from pipeclock import comm_blame, comms
 from pipeclock.app import interrupts, stopping
 from pipeclock.app.arguments import (
+    add_link_arguments,
     check_output,
+    link_from,
     non_negative_int,
     positive_float,
     positive_int,
@@ -168,6 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
+    add_link_arguments(parser.add_argument_group("what the prediction charges each message"))
     parser.add_argument(
         "--checkpoint-dir", metavar="DIR", help="save checkpoints in DIR (after the last step, at least)"
     )
@@ -280,12 +283,13 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
     table = schedule_table(config, world // config.dp)
     if result.validation:
         print("\n" + "\n".join(_validation_lines(result.validation, LanguageTask(config))))
-    print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size)))
+    link = link_from(args)
+    print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size, link)))
     if args.trace:
         path = write_trace(result.report, args.trace)
         print(f"\ntrace written to {path} (open it in chrome://tracing or https://ui.perfetto.dev)")
     if args.png:
-        path = draw_runs([(config.schedule, result.report, table)], args.png)
+        path = draw_runs([(config.schedule, result.report, table)], args.png, link=link)
         print(f"timelines drawn to {path}")
     print(f"final loss {result.final_loss:.6f} after {config.steps} steps", flush=True)
     return 0

@@ -50,7 +50,7 @@ function lookUp(name, p, m, chunks) {
   return { stages: found.stages, rows: found.rows.map((row) => parseRow(row, digits, chunked)) };
 }
 
-// ---- the simulator: pipeclock/observe/simulate.py, rule for rule
+// ---- the simulator: pipeclock/observe/simulate.py, rule for rule (the program's rules)
 
 function eventKey(rank, op, mb, chunk) {
   return `${rank}:${op}${mb}.${chunk}`;
@@ -75,47 +75,65 @@ function dependencies(action, rank, stages, owner) {
   return needs;
 }
 
-/** The spans of `schedule` when op X costs `cost[X]` and a hop between ranks `latency`; or {deadlock}. */
+/**
+ * The spans of `schedule` when op X costs `cost[X]` and a message `latency`; or {deadlock}. The rules of
+ * the program the engine runs (pipeclock/engine/program.py): a rank posts the receives of an action (or
+ * of an overlapped pair) when it reaches it; an action sends its output after its group ends; a message
+ * leaves once both are posted and arrives `latency` later; within a rank, data is there when computed.
+ */
 function simulate(schedule, cost, latency) {
   const { stages, rows } = schedule;
   const owner = [];
   stages.forEach((held, rank) => held.forEach((stage, chunk) => (owner[stage] = [rank, chunk])));
   const position = rows.map(() => 0);
   const freeAt = rows.map(() => 0);
-  const done = new Map();
+  const postedAt = rows.map(() => 0); // when the rank reached its current group
+  const groupStart = rows.map(() => 0); // its current group: one action, or an overlapped pair
+  const groupEnd = rows.map(() => 0);
+  const done = new Map(); // computed, on its own rank
+  const sent = new Map(); // sent to another rank, once its group ended
   const spans = [];
 
-  function inputsReady(rank, group) {
-    let ready = 0;
-    for (const action of group) {
-      for (const [from, op, mb, chunk] of dependencies(action, rank, stages, owner)) {
-        const inPair = from === rank && group.some((g) => g.op === op && g.mb === mb && g.chunk === chunk);
-        if (inPair) continue; // produced inside the overlapped pair itself
-        const key = eventKey(from, op, mb, chunk);
+  function ready(rank, needs) {
+    let at = 0;
+    for (const [from, op, mb, chunk] of needs) {
+      const key = eventKey(from, op, mb, chunk);
+      if (from === rank) {
         if (!done.has(key)) return null;
-        ready = Math.max(ready, done.get(key) + (from !== rank ? latency : 0));
+        at = Math.max(at, done.get(key));
+      } else {
+        if (!sent.has(key)) return null;
+        at = Math.max(at, Math.max(sent.get(key), postedAt[rank]) + latency);
       }
     }
-    return ready;
+    return at;
   }
 
   function tryNext(rank) {
     const actions = rows[rank];
     const at = position[rank];
     if (at === actions.length) return false;
-    const group = actions.slice(at, at + (actions[at].overlap ? 2 : 1));
-    const ready = inputsReady(rank, group);
-    if (ready === null) return false;
-    let start = Math.max(freeAt[rank], ready);
-    for (const action of group) {
-      const end = start + cost[action.op];
-      spans.push({ rank, action, start, end });
-      done.set(eventKey(rank, action.op, action.mb, action.chunk), end);
-      if (action.op === "I") done.set(eventKey(rank, "B", action.mb, action.chunk), end);
-      start = end;
+    if (at === groupEnd[rank]) {
+      postedAt[rank] = freeAt[rank];
+      groupStart[rank] = at;
+      groupEnd[rank] = at + (actions[at].overlap && at + 1 < actions.length ? 2 : 1);
     }
-    freeAt[rank] = start;
-    position[rank] += group.length;
+    const action = actions[at];
+    const inputs = ready(rank, dependencies(action, rank, stages, owner));
+    if (inputs === null) return false;
+    const start = Math.max(freeAt[rank], inputs);
+    const end = start + cost[action.op];
+    spans.push({ rank, action, start, end });
+    done.set(eventKey(rank, action.op, action.mb, action.chunk), end);
+    if (action.op === "I") done.set(eventKey(rank, "B", action.mb, action.chunk), end);
+    freeAt[rank] = end;
+    position[rank] += 1;
+    if (position[rank] === groupEnd[rank]) {
+      for (const made of actions.slice(groupStart[rank], groupEnd[rank])) {
+        sent.set(eventKey(rank, made.op, made.mb, made.chunk), end);
+        if (made.op === "I") sent.set(eventKey(rank, "B", made.mb, made.chunk), end);
+      }
+    }
     return true;
   }
 
