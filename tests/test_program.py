@@ -50,6 +50,10 @@ def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, 
     for rank, rank_program in enumerate(programs):
         assert [i.action for i in rank_program if i.is_compute] == list(table[rank])
         assert (rank_program[0].kind, rank_program[-1].kind) == ("SIZES", "LOSS")
+        before_agree = rank_program[: [i.kind for i in rank_program].index("AGREE")]
+        assert not [i for i in before_agree if i.kind in program.MESSAGES], "a bad batch stops all messages"
+        if replicas:  # a replica may be in a collective: nothing computes before the batch is agreed
+            assert [i.kind for i in before_agree] == ["SIZES"]
         reduced = [i.stage for i in rank_program if i.kind == "REDUCE_GRAD"]
         assert sorted(reduced) == (sorted(placement_of(table).stages[rank]) if replicas else [])
 
@@ -80,11 +84,13 @@ def test_with_free_messages_each_compute_starts_once_its_rank_is_free_and_its_in
     assert timeline.makespan == program.simulate_program(program.lower(table), compute_cost).makespan
 
 
-def test_a_receive_is_posted_just_before_the_compute_that_uses_it():
+def test_a_receive_is_posted_just_before_the_compute_that_uses_it_and_stage_0_agrees_after_its_f0():
     table = generate("1f1b", 2, 3)
     assert program.describe(program.lower(table)).splitlines() == [
-        "rank 0: SIZES 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2 LOSS",
-        "rank 1: SIZES 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 LOSS",
+        "rank 0: SIZES 0F0 AGREE 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 0RECV_B2 0B2 "
+        "LOSS",
+        "rank 1: SIZES AGREE 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 "
+        "LOSS",
     ]
 
 

@@ -8,8 +8,9 @@ increasing order. The number of micro-batches is the file's too.
 
 ``compute_only`` holds the compute actions; pipeclock lowers them to a program. ``compute_comms`` holds
 the program itself (``1SEND_F0``, ``2RECV_B3``, ``0REDUCE_GRAD``, ...: ``pipeclock.engine.program``)
-and runs as written; the step-wide words of pipeclock's own (``SIZES``, ``SUM_TIED``, ``LOSS``) are not
-written, and are added around a program read. ``load_csv`` tells the two apart by their cells.
+and runs as written; the step-wide words of pipeclock's own (``SIZES``, ``AGREE``, ``SUM_TIED``,
+``LOSS``) are not written, and are added around a program read. ``load_csv`` tells the two apart by
+their cells.
 
 A file that cannot run is refused before any process waits on another: a malformed cell (named by row
 and cell), a stage on two ranks, an action missing or repeated, a message without its partner, a
@@ -114,7 +115,8 @@ def _read_programs(
                     action = next(actions)
                     stage = placement.stage(rank, action.chunk)
                     program.append(Instruction(action.op, stage, action.microbatch, action=action))
-        read.append([*program, Instruction("SUM_TIED"), Instruction("LOSS")])
+        late = programs.agrees_late(rank, placement, replicas=False)
+        read.append(programs.place_agree([*program, Instruction("SUM_TIED"), Instruction("LOSS")], late))
     try:
         programs.check(read)
         programs.simulate_program(read, lambda _rank, _instruction: 1.0)

@@ -17,7 +17,7 @@ placement.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,32 +86,14 @@ class Messenger:
         self._local: dict[tuple[int, int, int], object] = {}
         self._sends: dict[tuple[int, int, int], list[comms.PendingSend]] = {}  # by message key
         self._done_by = sends_done_by(table, placement, rank) if table else {}
-        self._gate: Callable[[], object] | None = None  # runs before this step's first message
         self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
         self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
     def _rank_of(self, stage: int) -> int:
         return self.peers[self.placement.owner(stage)[0]]
 
-    # --- the gate: a check that must pass before this step's first message -----------------------------
-
-    def open_after(self, check: Callable[[], object]) -> None:
-        """Run ``check`` just before this step's first message to or from another rank is sent or
-        posted; if it raises, nothing was (the first stage checks the batch this way)."""
-        self._gate = check
-
-    @property
-    def gated(self) -> bool:
-        return self._gate is not None
-
-    def _pass_gate(self) -> None:
-        if self._gate is not None:
-            check, self._gate = self._gate, None
-            check()
-
     def abandon(self) -> None:
         """Forget a step refused before any message: activations handed over within the rank."""
-        self._gate = None
         self._local.clear()
 
     def new_input_shapes(self, key: int) -> None:
@@ -135,7 +117,6 @@ class Messenger:
                 self._announced[(target, size)] = [leaf.shape for leaf in pytree.leaves(output)]
             self._local[(ACTIVATION, target, microbatch)] = pytree.tree_map(self._through_wire, output)
             return
-        self._pass_gate()
         announced = self._announced.get((target, size))
         if announced is None:
             pytree.check_tensors(output, f"the output of stage {stage}")
@@ -162,7 +143,6 @@ class Messenger:
         if dest == self.rank:
             self._local[(GRADIENT, target, microbatch)] = [self._through_wire(grad) for grad in grads]
             return
-        self._pass_gate()
         what = f"sending the gradient of micro-batch {microbatch} for stage {target}"
         for leaf_index, grad in enumerate(grads):
             tag = message_tag(GRADIENT, target, microbatch, leaf_index)
@@ -189,7 +169,6 @@ class Messenger:
         src = self._rank_of(stage - 1)
         if src == self.rank:
             return
-        self._pass_gate()
         layout = self._layouts.get((stage, size))
         if layout is not None:
             spec, shapes = layout
@@ -209,7 +188,6 @@ class Messenger:
         src = self._rank_of(stage + 1)
         if src == self.rank:
             return
-        self._pass_gate()
         shapes = [(tuple(leaf.shape), leaf.dtype) for leaf in pytree.gradient_leaves(like)]
         self._incoming[key] = _Incoming(self._post_leaves(key, src, shapes), None)
 
@@ -271,7 +249,6 @@ class Messenger:
 
     def finish(self) -> None:
         """Wait for every send of this step; nothing may be left half-received."""
-        self._pass_gate()  # a rank that sent nothing this step still checks what it was asked to
         sends, self._sends = self._sends, {}
         for send in (send for posted in sends.values() for send in posted):
             send.wait()

@@ -147,7 +147,7 @@ class Pipeline:
             else lower(self.table, replicas=replicated, ties=True)
         )
         evaluation = [sorted((a for a in row if a.op == "F"), key=self._forward_order) for row in self.table]
-        self.evaluation_programs = lower(evaluation, placement=self.placement)
+        self.evaluation_programs = lower(evaluation, placement=self.placement, replicas=replicated)
         self.ends = StepEnds(self.rank, self.peers, self.first_rank, self.last_rank, self.device)
         self._configuration_agreed = False
         _warn_about_batch_norm(self.global_rank, self.chunks)
@@ -247,17 +247,10 @@ class Pipeline:
             self.replicas.end_evaluation()
         return run.shared_loss
 
-    def _agree_on_batch(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> list[int]:
-        """Share the batch size and check it, the same way on every rank, before any pipeline message.
-
-        Only the first stage sees the inputs and only the last the targets: the sizes the ends were given
-        travel along the pipeline to every rank (``pipeclock.engine.step_ends``), so that a bad batch is
-        one clear error everywhere. The configuration is agreed on the first step only: it is fixed.
-
-        The first stage, given a batch it can cut, sends its size and does not wait for the last stage's:
-        it runs its first forward while that message travels, and checks the sizes before its first
-        activation leaves (``Messenger.open_after``). Every other rank has nothing to do before a message
-        comes anyway.
+    def _send_sizes(self, inputs, targets) -> tuple[list[int], ValueError | None]:
+        """``SIZES``: send the batch sizes of the ends this rank holds and post the others' receives
+        (``pipeclock.engine.step_ends``); this rank's sizes and the error its own batch raised, if any
+        (raised at ``AGREE``, once every rank has heard). The configuration is agreed on the first step.
         """
         if not self._configuration_agreed:
             self._agree_on_configuration()
@@ -265,21 +258,12 @@ class Pipeline:
         mine, rejection = self._sizes_given(inputs, targets)
         faults.point("gather", self.steps_done)
         self.ends.send_batch_sizes(mine)
-        if rejection is None and self._may_check_later(mine[0]):
-            self.messenger.new_input_shapes(mine[2])
-            self.messenger.open_after(self._confirm_batch)
-            return microbatch_sizes(mine[0], self.num_microbatches)
-        return self._confirm_batch(rejection)
-
-    def _may_check_later(self, batch: int) -> bool:
-        """True on the first stage of a pipeline of several ranks, without replicas, given a batch it
-        can cut (any other batch is refused at once, as on every rank)."""
-        first_only = self.rank == self.first_rank != self.last_rank
-        return first_only and self.replicas.group is None and batch >= self.num_microbatches
+        return mine, rejection
 
     def _confirm_batch(self, rejection: ValueError | None = None) -> list[int]:
-        """Read the ends' batch sizes and check them: the micro-batch sizes, or ``BatchRefused`` on every
-        rank of the pipeline (and of its replicas) alike."""
+        """``AGREE``: read the ends' batch sizes and check them: the micro-batch sizes, or
+        ``BatchRefused`` on every rank of the pipeline (and of its replicas) alike, before any
+        activation leaves."""
         batch, target_batch, input_shapes = self.ends.batch_sizes()
         self.messenger.new_input_shapes(input_shapes)
         try:

@@ -9,15 +9,18 @@ lives. ``lower`` adds what the step exchanges, in torch's words where torch has 
   compute that made it (a send never blocks the sender);
 - ``REDUCE_GRAD`` sums a stage's gradients over the data-parallel replicas, after its last backward
   (only when replicas exist);
-- and three words of our own, for what a step does once: ``SIZES`` (the batch sizes and the inputs'
-  shape key reach every rank, first), ``SUM_TIED`` (tied weights' gradients summed across stages) and
-  ``LOSS`` (the last stage's loss reaches every rank, last).
+- and four words of our own, for what a step does once: ``SIZES`` (this rank's batch sizes and the
+  inputs' shape key leave, the others' receives are posted), ``AGREE`` (the ends' sizes read and
+  checked: a bad batch is refused there, on every rank, before any activation leaves), ``SUM_TIED``
+  (tied weights' gradients summed across stages) and ``LOSS`` (the last stage's loss reaches every
+  rank, last).
 
 Lowering choices, visible in the program: a rank posts a receive just before the compute that uses it
-(one compute earlier measured no gain: ``docs/benchmarks.md``); the rank holding stage 0 runs its
-first forward while the sizes travel; a pair sends after both halves; two stages on one rank hand
-over in memory, with no message. ``simulate_program`` runs the same lists with costs for compute and
-messages; ``check`` refuses a program whose messages do not match.
+(one compute earlier measured no gain: ``docs/benchmarks.md``); the rank holding stage 0 (not the last,
+without replicas) runs its first forward while the sizes travel, and agrees before its first send; a
+pair sends after both halves; two stages on one rank hand over in memory, with no message.
+``simulate_program`` runs the same lists with costs for compute and messages; ``check`` refuses a
+program whose messages do not match.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pipeclock.engine.placement import Placement
 COMPUTE = ("F", "B", "I", "W")
 MESSAGES = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 REPLICAS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-STEP = ("SIZES", "SUM_TIED", "LOSS")
+STEP = ("SIZES", "AGREE", "SUM_TIED", "LOSS")
 KINDS = COMPUTE + MESSAGES + REPLICAS + STEP
 WORDS = {
     "F": "forward of a micro-batch through a stage",
@@ -45,7 +48,8 @@ WORDS = {
     "UNSHARD": "gather a stage's sharded parameters (torch's word; FSDP2 does it in its own hooks)",
     "RESHARD": "free a stage's gathered parameters (torch's word; FSDP2 does it in its own hooks)",
     "REDUCE_GRAD": "sum a stage's gradients over the data-parallel replicas",
-    "SIZES": "pipeclock: the batch sizes and the inputs' shape key reach every rank",
+    "SIZES": "pipeclock: this rank's batch sizes and inputs' shape key leave; the others' are posted",
+    "AGREE": "pipeclock: the ends' batch sizes read and checked (a bad batch is refused here, everywhere)",
     "SUM_TIED": "pipeclock: tied weights' gradients summed across the stages that hold a copy",
     "LOSS": "pipeclock: the last stage's loss reaches every rank",
 }
@@ -107,8 +111,8 @@ def lower(
 def _lower_rank(
     rank: int, actions: list[Action], placement: Placement, replicas: bool, ties: bool
 ) -> Program:
-    program: Program = [Instruction("SIZES")]
     holds_first = placement.owner(0)[0] == rank
+    program: Program = [Instruction("SIZES")]
     posted: set[Instruction] = set()
     last_backward = _last_backwards(actions)
     groups = _groups(actions)
@@ -142,12 +146,32 @@ def _lower_rank(
     if ties:
         program.append(Instruction("SUM_TIED"))
     program.append(Instruction("LOSS"))
-    return program
+    return place_agree(program, agrees_late(rank, placement, replicas))
+
+
+def agrees_late(rank: int, placement: Placement, replicas: bool) -> bool:
+    """Whether ``rank`` may run its first compute before agreeing on the batch: it holds stage 0, whose
+    forward needs no other rank, and not the last stage, and no replica waits on it in a collective."""
+    first, last = placement.owner(0)[0], placement.owner(placement.num_virtual - 1)[0]
+    return not replicas and rank == first != last
+
+
+def place_agree(program: Program, late: bool) -> Program:
+    """``program`` with its one ``AGREE`` right after ``SIZES``, or (``late``) right after its first
+    compute (both halves of a pair), before that compute's sends."""
+    out = [i for i in program if i.kind != "AGREE"]
+    at = 1
+    if late:
+        first = next((n for n, i in enumerate(out) if i.is_compute), None)
+        if first is not None:
+            pair = out[first].action is not None and out[first].action.overlap
+            at = first + (2 if pair else 1)
+    return [*out[:at], Instruction("AGREE"), *out[at:]]
 
 
 def add_reduce_grad(program: Program) -> Program:
-    """``program`` with a ``REDUCE_GRAD`` after each stage's last backward where it has none (a
-    program written for one pipeline, run with replicas)."""
+    """``program`` with a ``REDUCE_GRAD`` after each stage's last backward where it has none, and its
+    ``AGREE`` before any compute (a program written for one pipeline, run with replicas)."""
     reduced = {i.stage for i in program if i.kind == "REDUCE_GRAD"}
     last = {i.stage: n for n, i in enumerate(program) if i.kind in ("B", "W")}
     out: Program = []
@@ -155,7 +179,7 @@ def add_reduce_grad(program: Program) -> Program:
         out.append(instruction)
         if instruction.stage not in reduced and last.get(instruction.stage) == index:
             out.append(Instruction("REDUCE_GRAD", instruction.stage))
-    return out
+    return place_agree(out, late=False)
 
 
 def _groups(actions: list[Action]) -> list[list[int]]:
@@ -281,7 +305,7 @@ def simulate_program(
     """Run ``programs`` on paper: each rank in order, a compute starting once the rank is free and its
     inputs exist (data from another rank once its message arrived; from this rank, once computed). A
     message leaves when both its send and its receive are posted and takes ``latency + bytes /
-    bandwidth``; ``SIZES`` and ``LOSS`` each cost ``step_seconds``. Raises ``DeadlockError`` naming
+    bandwidth``; ``AGREE`` and ``LOSS`` each cost ``step_seconds``. Raises ``DeadlockError`` naming
     what each stuck rank waits for if some rank can never go on."""
     run = _ProgramRun(programs, latency, bandwidth, message_bytes)
     moved = True
@@ -334,7 +358,7 @@ class _ProgramRun:
             self.posted[message_key(instruction)] = start
         elif instruction.kind in ("SEND_F", "SEND_B"):
             self.sent[message_key(instruction)] = (start, self.message_bytes(instruction))
-        elif instruction.kind in ("SIZES", "LOSS"):
+        elif instruction.kind in ("AGREE", "LOSS"):
             end = start + step_seconds
         self.spans[rank].append((instruction, start, end))
         self.free_at[rank] = end

@@ -1,13 +1,13 @@
-"""The ``SIZES`` and ``LOSS`` words of a program: the batch sizes before a step, the loss after it.
+"""The ``SIZES``, ``AGREE`` and ``LOSS`` words of a program: the batch sizes before a step, the loss after.
 
 Only the first stage sees the inputs and only the last the targets, yet every rank needs the batch size
 (to cut micro-batches and post receives of the right size) and the inputs' shape key
 (``pytree.shape_key``), and a bad batch must be one error on every rank before any activation is sent.
 So the ends' sizes travel along the pipeline: the first stage sends its own to the next rank (the
 hub), the last stage its own to the hub and to the first stage, and each rank hands the pair on to the
-next before its first forward. The first stage does not wait for them: it checks the last stage's size
-just before its first message leaves (``Messenger.open_after``). The last stage sends the loss to every
-rank; the others post its receive when the step begins. Point-to-point messages rather than one
+next before its first forward. The first stage does not wait for them: its program's ``AGREE``, where
+it reads and checks the last stage's size, comes after its first forward. The last stage sends the
+loss to every rank; the others post its receive when the step begins. Point-to-point messages rather than one
 collective each: ``docs/benchmarks.md`` ("the batch size and the loss as messages") measures the gain.
 """
 

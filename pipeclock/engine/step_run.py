@@ -1,10 +1,11 @@
 """One step (or one evaluation) on one rank: the runtime of this rank's program.
 
 A ``Pipeline`` builds a ``StepRun`` for each ``step`` or ``evaluate``. It walks the rank's program
-(``pipeclock.engine.program``) and hands each instruction to one small handler: ``SIZES`` agrees on the
-batch and cuts it, ``RECV_*`` post receives, compute runs a chunk forward or backward (taking the data
-its receive brought), ``SEND_*`` send what the compute kept, ``REDUCE_GRAD`` sums over replicas,
-``SUM_TIED`` and ``LOSS`` close the step once every send is done. It keeps each micro-batch's stash from
+(``pipeclock.engine.program``) and hands each instruction to one small handler: ``SIZES`` sends this
+rank's batch sizes, ``AGREE`` checks the ends' and cuts the batch, ``RECV_*`` post receives, compute
+runs a chunk forward or backward (taking the data its receive brought), ``SEND_*`` send what the
+compute kept, ``REDUCE_GRAD`` sums over replicas, ``SUM_TIED`` and ``LOSS`` close the step once every
+send is done. It keeps each micro-batch's stash from
 its ``F`` until its last backward, the loss, the measured spans, and the data-parallel sums.
 """
 
@@ -30,6 +31,7 @@ from pipeclock.engine.backward import (
     nothing_to_accumulate,
 )
 from pipeclock.engine.losses import loss_scales
+from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.program import Instruction
 from pipeclock.engine.spans import Span
 
@@ -40,8 +42,8 @@ class StageError(RuntimeError):
 
 class BatchRefused(ValueError):
     """The batch the ends were given cannot be run (no inputs, sizes that differ ...); raised alike on
-    every rank, before any activation is sent: on the first stage perhaps during its first forward
-    (``Pipeline._agree_on_batch``), so it passes through as it is, not as a ``StageError``."""
+    every rank at ``AGREE``, before any activation is sent (on the first stage perhaps after its first
+    forward), so it passes through as it is, not as a ``StageError``."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class StepRun:
         self.pipe, self.training = pipe, training
         self.program = pipe.programs[pipe.rank] if training else pipe.evaluation_programs[pipe.rank]
         self.given = (inputs, targets)
+        self.sizes: list[int] | None = None  # the micro-batch sizes, once cut
+        self.rejection: ValueError | None = None  # what this rank's own batch raised, told at AGREE
         self.synchronizes_device = pipe.device.type == "cuda"
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.outgoing: dict[tuple[str, int, int], object] = {}  # what a SEND_F / SEND_B sends
@@ -76,7 +80,8 @@ class StepRun:
         self.sent_bytes = 0
         self.meter = pipe.meter
         self.handlers = {
-            "SIZES": self.agree_on_batch,
+            "SIZES": self.send_sizes,
+            "AGREE": self.agree,
             "F": self.timed,
             "B": self.timed,
             "I": self.timed,
@@ -98,10 +103,29 @@ class StepRun:
 
     # --- the step-wide words ---------------------------------------------------------------------------
 
-    def agree_on_batch(self, _instruction: Instruction) -> None:
-        """Agree on the batch (``Pipeline._agree_on_batch``), then cut it into micro-batches."""
+    def send_sizes(self, instruction: Instruction) -> None:
+        """This rank's batch sizes leave. A rank whose program agrees later (the first stage, running its
+        first forward meanwhile) cuts its own batch now, or, if it cannot, agrees at once: refused."""
+        pipe = self.pipe
+        mine, self.rejection = pipe._send_sizes(*self.given)
+        position = self.program.index(instruction)
+        if self.program[position + 1].kind == "AGREE":
+            return
+        if self.rejection is not None or mine[0] < pipe.num_microbatches:
+            self.agree(instruction)  # raises BatchRefused, on every rank alike
+        pipe.messenger.new_input_shapes(mine[2])
+        self._cut(microbatch_sizes(mine[0], pipe.num_microbatches))
+
+    def agree(self, _instruction: Instruction) -> None:
+        """The ends' sizes read and checked on every rank alike; the batch cut, unless it already was."""
+        sizes = self.pipe._confirm_batch(self.rejection)
+        if self.sizes is None:
+            self._cut(sizes)
+
+    def _cut(self, sizes: list[int]) -> None:
+        """Cut this rank's part of the batch into micro-batches of ``sizes``."""
         pipe, (inputs, targets) = self.pipe, self.given
-        self.sizes = sizes = pipe._agree_on_batch(inputs, targets)
+        self.sizes = sizes
         if self.training:
             pipe.replicas.begin_step()
         self.first_samples = [pipe.first_sample + sum(sizes[:mb]) for mb in range(len(sizes))]
