@@ -15,9 +15,10 @@ import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint, checkpoint_choice, cli
-from pipeclock.app.decode_schedule import decode_schedule, simulate
+from pipeclock.app.decode_schedule import decode_program, simulate
 from pipeclock.app.generation_pipeline import split_groups
 from pipeclock.app.train import TrainConfig, train
+from pipeclock.engine.program import check, describe
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.sampling import choose, sample, uniform_for
@@ -87,11 +88,22 @@ def test_groups_are_contiguous_and_even():
 
 def test_one_group_leaves_p_minus_1_of_p_ranks_idle_and_p_groups_keep_the_ring_full():
     for p in (2, 3, 4):
-        alone = simulate(decode_schedule(p, 1, 50))
-        full = simulate(decode_schedule(p, p, 50))
+        alone = simulate(p, [1], 50)
+        full = simulate(p, [1] * p, 50)
         assert alone.bubble_share == pytest.approx((p - 1) / p)
         assert full.bubble_share < 0.1
         assert 50 * p / full.makespan > 0.9 * p * (50 / alone.makespan), "p groups: about p times the bytes/s"
+
+
+def test_the_decode_loop_is_a_forward_only_program_whose_last_rank_sends_each_byte_to_rank_0():
+    programs = decode_program(2, 2, 2)  # 2 ranks, 2 groups, 2 tokens: virtual stage = token * 2 + rank
+    check(programs)
+    assert describe(programs) == (
+        "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0 2SEND_F0 2RECV_F1 2F1 2SEND_F1\n"
+        "rank 1: 1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3RECV_F1 3F1"
+    )
+    assert {(i.stage, i.peer) for i in programs[1] if i.kind == "SEND_F"} == {(1, 0)}, "the byte goes round"
+    assert [str(i) for i in decode_program(1, 2, 2)[0]] == ["0F0", "0F1", "1F0", "1F1"], "one rank: in memory"
 
 
 def train_both_placements(rank: int, world: int, root: str) -> None:

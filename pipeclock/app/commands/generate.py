@@ -34,7 +34,7 @@ from pipeclock.app.arguments import (
     positive_float,
     positive_int,
 )
-from pipeclock.app.decode_schedule import decode_schedule, simulate
+from pipeclock.app.decode_schedule import simulate
 from pipeclock.app.generation_pipeline import Outcome, Settings, StageRunner, split_groups
 from pipeclock.comm_errors import CommError
 from pipeclock.models.gpt import GPT, GPTConfig
@@ -267,7 +267,8 @@ def _report(
 def timelines(
     every: list[Outcome], world: int, groups: list[list[int]], tokens: int
 ) -> tuple[Timeline, Timeline]:
-    """The measured timeline of every rank, and the simulator's for the same schedule, in seconds."""
+    """The measured timeline of every rank, and the engine's simulator's for the same decode program, in
+    seconds."""
     measured = Timeline([span for outcome in every for span in outcome.spans], world)
     sizes = [len(group) for group in groups]
     per_prompt = (
@@ -275,5 +276,5 @@ def timelines(
         if measured.spans
         else 0.0
     )
-    predicted = simulate(decode_schedule(world, len(groups), tokens), compute=[per_prompt * n for n in sizes])
+    predicted = simulate(world, sizes, tokens, per_prompt)
     return measured, predicted
