@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ class Lane:
     index: int
     ids: list[int]
     prompt_length: int
-    cache: PromptCache
+    cache: Any  # the prompt's keys and values on this stage (Decoding.new_cache)
     start: int = 0
     ended: bool = False
 
@@ -93,26 +94,45 @@ def split_groups(num_prompts: int, num_groups: int) -> list[list[int]]:
 OnByte = Callable[[int, int], None]  # (prompt index, byte): called on the last rank as each byte comes
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a stage's pieces compute a prompt's new tokens with its cache: ``new_cache(pieces, seq_len)``
+    and ``forward(pieces, inputs, cache)``, hidden states out, or the last token's byte logits on the
+    head's stage (``models.decoding`` for the GPT, ``models.hf.decoding`` for a Hugging Face model)."""
+
+    new_cache: Callable[[nn.Module, int], Any]
+    forward: Callable[[nn.Module, torch.Tensor, Any], torch.Tensor]
+
+
+GPT_DECODING = Decoding(PromptCache, forward_cached)
+
+
 class StageRunner:
     """One rank's share of a generation: its pieces, its lanes, and its decode program, walked with a
     handler per instruction kind (``RECV_F``, ``F``, ``SEND_F``)."""
 
     def __init__(
-        self, pieces: nn.Sequential, prompts: list[list[int]], groups: list[list[int]], settings: Settings
+        self,
+        pieces: nn.Module,
+        prompts: list[list[int]],
+        groups: list[list[int]],
+        settings: Settings,
+        decoding: Decoding = GPT_DECODING,
     ) -> None:
-        self.pieces, self.settings = pieces.eval(), settings
+        self.pieces, self.settings, self.decoding = pieces.eval(), settings, decoding
         self.rank, self.world = comms.get_rank(), comms.get_world_size()
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        self.groups = [
-            [Lane(i, list(prompts[i]), len(prompts[i]), PromptCache(pieces, settings.seq_len)) for i in group]
-            for group in groups
-        ]
+        self.groups = [[self._lane(i, prompts[i]) for i in group] for group in groups]
         self.receiving: dict[tuple[int, int], comms.PendingRecv] = {}  # (stage, group): a posted receive
         self.outputs: dict[tuple[int, int], object] = {}  # (stage, group): what a forward hands on
         self.sends: list[comms.PendingSend] = []
         self.on_byte: OnByte | None = None
         self.outcome = Outcome()
         self.origin = 0.0
+
+    def _lane(self, index: int, prompt: list[int]) -> Lane:
+        cache = self.decoding.new_cache(self.pieces, self.settings.seq_len)
+        return Lane(index, list(prompt), len(prompt), cache)
 
     def run(self, on_byte: OnByte | None = None) -> Outcome:
         self.on_byte, self.outcome = on_byte, Outcome()
@@ -242,7 +262,7 @@ class StageRunner:
         reset, inputs = feed
         if reset:
             lane.cache.reset()
-        return forward_cached(self.pieces, inputs, lane.cache)
+        return self.decoding.forward(self.pieces, inputs, lane.cache)
 
     def _sample(self, lane: Lane, logits: torch.Tensor | None) -> int:
         """The next byte of ``lane`` (the last rank); ENDED once the prompt's stop string has come."""
