@@ -242,7 +242,7 @@ def error_of(*argv: str, world: int = 1) -> tuple[int, str]:
     return code, stderr.getvalue().strip()
 
 
-def test_bad_input_is_one_clear_line(one_checkpoint, tmp_path):
+def test_bad_input_is_one_clear_line(one_checkpoint, checkpoints, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"\n\n")
     cases = {
@@ -259,6 +259,10 @@ def test_bad_input_is_one_clear_line(one_checkpoint, tmp_path):
     for name, (flags, world, expected) in cases.items():
         code, message = error_of(one_checkpoint, *flags, world=world)
         assert code == 2 and expected in message and message.count("\n") == 0, (name, message)
+    for directory in (d for d in checkpoints if d.endswith("llama")):
+        code, message = error_of(directory, world=5)
+        expected = "has 4 pieces (embedding, layers, head): it cannot be cut into 5 stages"
+        assert code == 2 and expected in message and message.count("\n") == 0, message
 
 
 def test_prompts_are_bytes_invalid_utf8_included_and_temperature_zero_stays_greedy(one_checkpoint, tmp_path):
