@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from pipeclock.app.decode_schedule import decode_schedule, simulate
+from pipeclock.app.decode_schedule import simulate
 from pipeclock.app.generation_pipeline import split_groups
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
@@ -102,7 +102,7 @@ def pipeline_figures(checkpoint_dir: Path, prompts: Path, ranks: int, rounds: in
     rows = []
     for groups, runs in json.loads(out.read_text()).items():
         sizes = [len(group) for group in split_groups(PROMPTS, int(groups))]
-        predicted = simulate(decode_schedule(ranks, int(groups), TOKENS), compute=sizes)
+        predicted = simulate(ranks, sizes, TOKENS)
         rows.append({
             "ranks": ranks,
             "groups": int(groups),

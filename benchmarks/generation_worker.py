@@ -13,8 +13,8 @@ import torch
 
 from pipeclock import comms
 from pipeclock.app import checkpoint, checkpoint_choice
+from pipeclock.app.generation_model import StageModel
 from pipeclock.app.generation_pipeline import Settings, StageRunner, split_groups
-from pipeclock.models.gpt import GPT, GPTConfig
 
 GROUPS = (1, 2, 3, 4)
 
@@ -23,16 +23,18 @@ def main(directory: str, prompts_path: str, tokens: int, rounds: int, out: str) 
     rank, world = comms.init(timeout=300)
     torch.set_num_threads(1)  # as the generate command runs
     path = checkpoint_choice.resolve(directory)
-    config = GPTConfig(**checkpoint_choice.read_run(path)["gpt"])
-    pieces = GPT.for_rank(config, rank, world)[0]
+    model = StageModel.of(checkpoint_choice.read_run(path), path, world)
+    pieces = model.build(rank, world)
     checkpoint.load_weights(path, [pieces])
     prompts = [list(line) for line in Path(prompts_path).read_bytes().splitlines() if line]
-    settings = Settings(tokens, config.seq_len, config.dim)
+    settings = Settings(tokens, model.seq_len, model.dim)
     found: dict[int, list[dict]] = {groups: [] for groups in GROUPS}
     for _ in range(rounds):
         for groups in GROUPS:
             comms.barrier("starting a case")
-            outcome = StageRunner(pieces, prompts, split_groups(len(prompts), groups), settings).run()
+            cut = split_groups(len(prompts), groups)
+            runner = StageRunner(pieces, prompts, cut, settings, model.decoding)
+            outcome = runner.run()
             first = min(outcome.first_byte_s.values(), default=0.0)
             decoded = len(prompts) * (tokens - 1)
             found[groups].append({"first byte s": first, "bytes/s": decoded / (outcome.seconds - first)})

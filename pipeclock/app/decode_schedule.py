@@ -1,84 +1,69 @@
-"""The decode loop as a schedule: for each rank, the ordered forwards it runs, and what they wait for.
+"""The decode loop as a schedule like any other: forward-only actions, lowered to the engine's program.
 
-Generation cuts the prompts into groups. One forward, ``Decode(group, token)``, computes token ``token``
-of every prompt of ``group`` through the rank's stage. Every rank runs the same order, token by token and
-within a token group by group:
+Generation cuts the prompts into groups; group g's token t goes through every rank's stage, and the last
+rank's byte comes back to rank 0 as the input of token t + 1. Unrolled over the tokens, that loop is a
+forward-only pipeline of ``tokens x p`` virtual stages on the loop placement with one chunk per token:
+rank r's chunk t is virtual stage ``t * p + r`` (the same pieces, met again at every token). So a decode
+forward is the training IR's ``Action("F", group, token)`` (micro-batch = group, chunk = token), and every
+rank runs the same order, token by token and within a token group by group:
 
-    rank r:  (g0, t0) (g1, t0) ... (gG-1, t0) (g0, t1) (g1, t1) ...
+    rank r:  F0.0 F1.0 ... F(G-1).0  F0.1 F1.1 ...
 
-and the dependencies are those of a forward-only pipeline closed into a ring:
-
-- ``(g, t)`` on rank r > 0 needs the hidden states of ``(g, t)`` from rank r - 1;
-- ``(g, t)`` on rank 0, for t > 0, needs the bytes sampled by ``(g, t - 1)`` on the last rank.
-
-A group's next token cannot start before its last one has gone round every stage: with one group the
-ring holds one piece of work and p - 1 of p ranks wait (decoding's own bubble). With G >= p groups each
-rank always has another group's token to compute while one travels: the ring is kept full.
-``simulate`` predicts the timeline from these rules alone, for ``docs/benchmarks.md`` and ``--png``.
+``engine.program.lower`` derives the messages as it does for an interleaved schedule: ``SEND_F`` /
+``RECV_F`` between neighbours, and from the last rank to rank 0 where a token goes round (the byte
+sampled, the input of the next token's first stage); on one rank the ring hands over in memory. The
+generation runtime walks that program and ``engine.program.simulate_program`` times it: a group's next
+token cannot start before its last one has gone round, so with one group p - 1 of p ranks wait (decoding's
+own bubble); with G >= p groups each rank always has another group's token to compute.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from pipeclock.engine.actions import Action
-from pipeclock.observe.timeline import Span, Timeline
+from pipeclock.engine.actions import Action, Schedule
+from pipeclock.engine.placement import Placement
+from pipeclock.engine.program import Instruction, Program, lower, simulate_program
+from pipeclock.engine.spans import Span
+from pipeclock.observe.timeline import Timeline
 
-
-@dataclass(frozen=True, slots=True)
-class Decode:
-    """Token ``token`` of every prompt in group ``group``, through one rank's stage."""
-
-    group: int
-    token: int
-
-    def as_action(self) -> Action:
-        """The training IR's forward of micro-batch ``group``: how timelines and diagrams draw it."""
-        return Action("F", self.group)
+_STEP_WORDS = ("SIZES", "LOSS")  # a training step's own words: a decode program has no batch and no loss
 
 
-def decode_schedule(num_stages: int, num_groups: int, tokens: int) -> list[list[Decode]]:
-    """Each rank's forwards, in the order it runs them (the same order on every rank)."""
-    order = [Decode(group, token) for token in range(tokens) for group in range(num_groups)]
-    return [list(order) for _ in range(num_stages)]
+def decode_schedule(num_stages: int, num_groups: int, tokens: int) -> Schedule:
+    """Each rank's forwards, in the order it runs them (the same on every rank), and their placement."""
+    order = [Action("F", group, token) for token in range(tokens) for group in range(num_groups)]
+    return Schedule([list(order) for _ in range(num_stages)], Placement.loop(num_stages, max(tokens, 1)))
 
 
-def needs(rank: int, step: Decode, num_stages: int) -> tuple[int, Decode] | None:
-    """The (rank, forward) whose message ``step`` on ``rank`` waits for; None for a prompt's prefill."""
-    if rank > 0:
-        return rank - 1, step
-    if step.token > 0:
-        return num_stages - 1, Decode(step.group, step.token - 1)
-    return None
+def decode_program(num_stages: int, num_groups: int, tokens: int) -> list[Program]:
+    """Every rank's decode program: the schedule lowered by the engine, without the training step's
+    ``SIZES`` and ``LOSS``."""
+    programs = lower(decode_schedule(num_stages, num_groups, tokens))
+    return [[i for i in program if i.kind not in _STEP_WORDS] for program in programs]
+
+
+def token_of(instruction: Instruction, num_stages: int) -> int:
+    """The token step an instruction of the decode program belongs to (its virtual stage's round)."""
+    assert instruction.stage is not None
+    return instruction.stage // num_stages
 
 
 def simulate(
-    schedule: list[list[Decode]], compute: float | Sequence[float] = 1.0, message: float = 0.0
+    num_stages: int,
+    group_sizes: Sequence[int],
+    tokens: int,
+    per_prompt: float = 1.0,
+    latency: float = 0.0,
 ) -> Timeline:
-    """The timeline the dependencies allow when a forward of group g costs ``compute[g]`` (or
-    ``compute`` for every group) and every message ``message`` (a ring of one rank passes its bytes to
-    itself for free)."""
-    num_stages = len(schedule)
-    cost = (lambda g: compute) if isinstance(compute, int | float) else (lambda g: compute[g])
-    done: dict[tuple[int, Decode], float] = {}
-    clock, cursor, spans = [0.0] * num_stages, [0] * num_stages, []
-    remaining = sum(len(actions) for actions in schedule)
-    while remaining:
-        progressed = False
-        for rank, actions in enumerate(schedule):
-            while cursor[rank] < len(actions):
-                step = actions[cursor[rank]]
-                need = needs(rank, step, num_stages)
-                if need is not None and need not in done:
-                    break
-                ready = 0.0 if need is None else done[need] + (message if need[0] != rank else 0.0)
-                start = max(clock[rank], ready)
-                clock[rank] = done[(rank, step)] = start + cost(step.group)
-                spans.append(Span(rank, step.as_action(), start, clock[rank]))
-                cursor[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the decode schedule waits in a cycle: no rank can go on")
+    """The decode program's timeline (``simulate_program``) when a forward of a group costs
+    ``per_prompt`` per prompt in it on every rank, and a message ``latency``."""
+    programs = decode_program(num_stages, len(group_sizes), tokens)
+    run = simulate_program(programs, lambda _rank, i: per_prompt * group_sizes[i.microbatch], latency=latency)
+    spans = [
+        Span(rank, instruction.action, start, end)
+        for rank, rows in enumerate(run.spans)
+        for instruction, start, end in rows
+        if instruction.action is not None
+    ]
     return Timeline(spans, num_stages)

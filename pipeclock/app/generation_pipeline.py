@@ -1,8 +1,9 @@
 """Generation on p ranks: each holds its stage's pieces and, per prompt, their keys and values.
 
-Rank r runs the forwards ``decode_schedule`` gives it, each ``Decode(group, token)`` computing every
-prompt of the group through its stage (each prompt alone, batch 1, with its own cache). The messages are
-derived from the schedule's dependencies, posted with ``comms.isend`` / ``irecv`` (every wait bounded by
+Rank r walks its decode program (``decode_schedule.decode_program``: the engine's lowering of the
+forward-only decode schedule) with a handler per instruction: ``F`` of group g at token t computes every
+prompt of the group through its stage (each prompt alone, batch 1, with its own cache); ``RECV_F`` and
+``SEND_F`` post the messages the lowering derived, with ``comms.irecv`` / ``isend`` (every wait bounded by
 the timeout):
 
 - rank r -> r + 1: a header ``(prompts, 2)`` int64, each prompt's ``[new tokens, reset]`` (0 new tokens:
@@ -20,15 +21,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipeclock import comms
-from pipeclock.app.decode_schedule import Decode, decode_schedule
+from pipeclock.app.decode_schedule import decode_program, token_of
+from pipeclock.engine.program import Instruction
+from pipeclock.engine.spans import Span
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.sampling import choose, uniform_for, window_start
-from pipeclock.observe.timeline import Span
 
 _HEADER, _HIDDEN, _BYTES = 11, 12, 13  # message tags: one stream per kind between two ranks
 ENDED = -1
@@ -55,7 +58,7 @@ class Lane:
     index: int
     ids: list[int]
     prompt_length: int
-    cache: PromptCache
+    cache: Any  # the prompt's keys and values on this stage (Decoding.new_cache)
     start: int = 0
     ended: bool = False
 
@@ -91,67 +94,137 @@ def split_groups(num_prompts: int, num_groups: int) -> list[list[int]]:
 OnByte = Callable[[int, int], None]  # (prompt index, byte): called on the last rank as each byte comes
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How a stage's pieces compute a prompt's new tokens with its cache: ``new_cache(pieces, seq_len)``
+    and ``forward(pieces, inputs, cache)``, hidden states out, or the last token's byte logits on the
+    head's stage (``models.decoding`` for the GPT, ``models.hf.decoding`` for a Hugging Face model)."""
+
+    new_cache: Callable[[nn.Module, int], Any]
+    forward: Callable[[nn.Module, torch.Tensor, Any], torch.Tensor]
+
+
+GPT_DECODING = Decoding(PromptCache, forward_cached)
+
+
 class StageRunner:
-    """One rank's share of a generation: its pieces, its lanes, and the loop over its schedule."""
+    """One rank's share of a generation: its pieces, its lanes, and its decode program, walked with a
+    handler per instruction kind (``RECV_F``, ``F``, ``SEND_F``)."""
 
     def __init__(
-        self, pieces: nn.Sequential, prompts: list[list[int]], groups: list[list[int]], settings: Settings
+        self,
+        pieces: nn.Module,
+        prompts: list[list[int]],
+        groups: list[list[int]],
+        settings: Settings,
+        decoding: Decoding = GPT_DECODING,
     ) -> None:
-        self.pieces, self.settings = pieces.eval(), settings
+        self.pieces, self.settings, self.decoding = pieces.eval(), settings, decoding
         self.rank, self.world = comms.get_rank(), comms.get_world_size()
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        self.groups = [
-            [Lane(i, list(prompts[i]), len(prompts[i]), PromptCache(pieces, settings.seq_len)) for i in group]
-            for group in groups
-        ]
-        self.bytes_in_ring: dict[int, list[int]] = {}  # one rank: the ring's message to itself
+        self.groups = [[self._lane(i, prompts[i]) for i in group] for group in groups]
+        self.receiving: dict[tuple[int, int], comms.PendingRecv] = {}  # (stage, group): a posted receive
+        self.outputs: dict[tuple[int, int], object] = {}  # (stage, group): what a forward hands on
         self.sends: list[comms.PendingSend] = []
+        self.on_byte: OnByte | None = None
+        self.outcome = Outcome()
+        self.origin = 0.0
+
+    def _lane(self, index: int, prompt: list[int]) -> Lane:
+        cache = self.decoding.new_cache(self.pieces, self.settings.seq_len)
+        return Lane(index, list(prompt), len(prompt), cache)
 
     def run(self, on_byte: OnByte | None = None) -> Outcome:
-        outcome = Outcome()
-        schedule = decode_schedule(self.world, len(self.groups), self.settings.tokens)[self.rank]
-        origin = time.perf_counter()
-        for step in schedule:
-            began = time.perf_counter()
-            feeds, waited = self._inputs(step)
-            outputs = [
-                self._forward(lane, feed) for lane, feed in zip(self.groups[step.group], feeds, strict=True)
-            ]
-            self._hand_on(step, feeds, outputs, on_byte)
-            ended = time.perf_counter()
-            outcome.spans.append(Span(self.rank, step.as_action(), began - origin, ended - origin, waited))
-            if self.last and step.token == 0:
-                outcome.first_byte_s[step.group] = ended - origin
-            if step.group == len(self.groups) - 1:
-                self._finish_sends()
+        self.on_byte, self.outcome = on_byte, Outcome()
+        program = decode_program(self.world, len(self.groups), self.settings.tokens)[self.rank]
+        handlers = {"RECV_F": self._post_receive, "F": self._forward_step, "SEND_F": self._send}
+        self.origin = time.perf_counter()
+        for instruction in program:
+            handlers[instruction.kind](instruction)
         self._finish_sends()
-        outcome.seconds = time.perf_counter() - origin
+        outcome = self.outcome
+        outcome.seconds = time.perf_counter() - self.origin
         outcome.weight_bytes = sum(p.nbytes for p in {id(p): p for p in self.pieces.parameters()}.values())
         outcome.cache_bytes = sum(lane.cache.nbytes for group in self.groups for lane in group)
         if self.last:
             outcome.texts = {lane.index: lane.generated for group in self.groups for lane in group}
         return outcome
 
+    # --- the handlers -----------------------------------------------------------------------------------
+
+    def _post_receive(self, instruction: Instruction) -> None:
+        """Post the receive of a forward's input: the bytes of the group's previous token on rank 0 (from
+        the last rank), else the header of what the previous rank computed (the hidden states follow)."""
+        group, token = instruction.microbatch, token_of(instruction, self.world)
+        size = len(self.groups[group])
+        if self.first:
+            what = f"the bytes of group {group}, token {token - 1}"
+            pending = comms.irecv((size,), instruction.peer, torch.int64, _BYTES, what)
+        else:
+            what = f"the header of group {group}, token {token}"
+            pending = comms.irecv((size, 2), instruction.peer, torch.int64, _HEADER, what)
+        self.receiving[(instruction.stage, group)] = pending
+
+    def _forward_step(self, instruction: Instruction) -> None:
+        """Token ``token`` of every prompt of the group through this rank's stage, timed as a span."""
+        group, token = instruction.microbatch, token_of(instruction, self.world)
+        began = time.perf_counter()
+        feeds, waited = self._inputs(instruction.stage, group, token)
+        outputs = [self._forward(lane, feed) for lane, feed in zip(self.groups[group], feeds, strict=True)]
+        if self.last:
+            handed = [
+                self._sample(lane, logits) for lane, logits in zip(self.groups[group], outputs, strict=True)
+            ]
+        else:
+            header = torch.tensor([[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds])
+            hidden = [out for out in outputs if out is not None]
+            handed = (header, torch.cat(hidden, dim=1) if hidden else None)
+        if token < self.settings.tokens - 1 or not self.last:  # the last bytes: nobody needs them again
+            self.outputs[(instruction.stage, group)] = handed
+        ended = time.perf_counter()
+        self.outcome.spans.append(
+            Span(self.rank, instruction.action, began - self.origin, ended - self.origin, waited)
+        )
+        if self.last and token == 0:
+            self.outcome.first_byte_s[group] = ended - self.origin
+        if group == len(self.groups) - 1:
+            self._finish_sends()
+
+    def _send(self, instruction: Instruction) -> None:
+        """Hand a forward's output on: the bytes sampled (the last rank, to rank 0), else the header and
+        the new tokens' hidden states, all prompts' in one ``(1, n, dim)`` tensor."""
+        group = instruction.microbatch
+        handed = self.outputs.pop((instruction.stage, group))
+        if self.last:
+            sampled = torch.tensor(handed, dtype=torch.int64)
+            self.sends.append(comms.isend(sampled, instruction.peer, _BYTES, f"the bytes of group {group}"))
+            return
+        header, hidden = handed
+        what = f"the header of group {group}"
+        self.sends.append(comms.isend(header, instruction.peer, _HEADER, what))
+        if hidden is not None:
+            what = f"the hidden states of group {group}"
+            self.sends.append(comms.isend(hidden, instruction.peer, _HIDDEN, what))
+
     # --- what a forward takes in -----------------------------------------------------------------------
 
-    def _inputs(self, step: Decode) -> tuple[list[tuple[bool, torch.Tensor] | None], float]:
+    def _inputs(
+        self, stage: int, group: int, token: int
+    ) -> tuple[list[tuple[bool, torch.Tensor] | None], float]:
         """Each lane's (reset, inputs) for this forward, None for an ended prompt; and the seconds waited."""
         waited = time.perf_counter()
+        lanes = self.groups[group]
         if self.first:
-            sampled = self._sampled_bytes(step)
+            sampled = self._sampled_bytes(stage, group, token)
             waited = time.perf_counter() - waited
-            return [
-                self._feed(lane, byte, step.token)
-                for lane, byte in zip(self.groups[step.group], sampled, strict=True)
-            ], waited
-        lanes, source = self.groups[step.group], self.rank - 1
-        what = f"the header of group {step.group}, token {step.token}"
-        header = comms.irecv((len(lanes), 2), source, torch.int64, _HEADER, what).wait().tolist()
+            return [self._feed(lane, byte, token) for lane, byte in zip(lanes, sampled, strict=True)], waited
+        header = self.receiving.pop((stage, group)).wait().tolist()
         total = sum(n for n, _ in header)
         hidden = None
         if total:
-            what = f"the hidden states of group {step.group}, token {step.token}"
-            hidden = comms.irecv((1, total, self.settings.dim), source, torch.float32, _HIDDEN, what).wait()
+            what = f"the hidden states of group {group}, token {token}"
+            hidden = comms.irecv((1, total, self.settings.dim), self.rank - 1, torch.float32, _HIDDEN, what)
+            hidden = hidden.wait()
         waited = time.perf_counter() - waited
         feeds, offset = [], 0
         for n, reset in header:
@@ -159,15 +232,14 @@ class StageRunner:
             offset += n
         return feeds, waited
 
-    def _sampled_bytes(self, step: Decode) -> list[int | None]:
-        """On rank 0: the bytes the last rank sampled at the group's previous token (None for the prefill)."""
-        lanes = self.groups[step.group]
-        if step.token == 0:
-            return [None] * len(lanes)
-        if self.world == 1:
-            return self.bytes_in_ring.pop(step.group)
-        what = f"the bytes of group {step.group}, token {step.token - 1}"
-        return comms.irecv((len(lanes),), self.world - 1, torch.int64, _BYTES, what).wait().tolist()
+    def _sampled_bytes(self, stage: int, group: int, token: int) -> list[int | None]:
+        """On rank 0: the bytes the last rank sampled at the group's previous token (None for the
+        prefill), received, or on one rank handed over in memory by the previous round's forward."""
+        if token == 0:
+            return [None] * len(self.groups[group])
+        if (stage, group) in self.receiving:
+            return self.receiving.pop((stage, group)).wait().tolist()
+        return self.outputs.pop((stage - 1, group))  # type: ignore[return-value]
 
     def _feed(self, lane: Lane, byte: int | None, token: int) -> tuple[bool, torch.Tensor] | None:
         """What rank 0 feeds for ``lane``: the window from its start after a reset, else its newest byte."""
@@ -190,31 +262,9 @@ class StageRunner:
         reset, inputs = feed
         if reset:
             lane.cache.reset()
-        return forward_cached(self.pieces, inputs, lane.cache)
+        return self.decoding.forward(self.pieces, inputs, lane.cache)
 
-    def _hand_on(self, step: Decode, feeds: list, outputs: list, on_byte: OnByte | None) -> None:
-        if not self.last:
-            header = torch.tensor([[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds])
-            target = self.rank + 1
-            self.sends.append(comms.isend(header, target, _HEADER, f"the header of group {step.group}"))
-            hidden = [out for out in outputs if out is not None]
-            if hidden:
-                what = f"the hidden states of group {step.group}"
-                self.sends.append(comms.isend(torch.cat(hidden, dim=1), target, _HIDDEN, what))
-            return
-        sampled = [
-            self._sample(lane, logits, on_byte)
-            for lane, logits in zip(self.groups[step.group], outputs, strict=True)
-        ]
-        if step.token == self.settings.tokens - 1:
-            return  # the last bytes: nobody needs them again
-        if self.world == 1:
-            self.bytes_in_ring[step.group] = sampled
-        else:
-            what = f"the bytes of group {step.group}"
-            self.sends.append(comms.isend(torch.tensor(sampled, dtype=torch.int64), 0, _BYTES, what))
-
-    def _sample(self, lane: Lane, logits: torch.Tensor | None, on_byte: OnByte | None) -> int:
+    def _sample(self, lane: Lane, logits: torch.Tensor | None) -> int:
         """The next byte of ``lane`` (the last rank); ENDED once the prompt's stop string has come."""
         if logits is None or lane.ended:
             lane.ended = True
@@ -223,8 +273,8 @@ class StageRunner:
         draw = uniform_for(settings.seed, lane.index, len(lane.ids)) if settings.temperature else 0.0
         byte = choose(logits, settings.temperature, settings.top_k, draw)
         lane.ids.append(byte)
-        if on_byte:
-            on_byte(lane.index, byte)
+        if self.on_byte:
+            self.on_byte(lane.index, byte)
         if settings.stop and lane.generated.endswith(settings.stop):
             lane.ended = True
             return ENDED

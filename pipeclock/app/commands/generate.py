@@ -1,13 +1,14 @@
 """``[torchrun --nproc-per-node P -m] pipeclock generate CKPT_DIR --prompt TEXT --tokens N``: text from a
-trained GPT, on one process or cut into P stages.
+trained GPT or Hugging Face model, on one process or cut into P stages.
 
 The model's configuration comes from the checkpoint (``pipeclock.json``). Each rank builds only its
 stage's pieces and reads only their weights (``checkpoint.load_weights``), then runs its share of the
 decode schedule (``generation_pipeline``): the prompts' prefill, then one byte per step, with a key/value
-cache per prompt (``--no-cache``: the whole window every byte), on one intra-op thread per rank (a
-decode step computes one byte: more threads only wait for each other, see ``docs/benchmarks.md``).
-Prompts travel in ``--groups`` groups so the pipeline stays full. The last rank samples and prints as
-bytes come: one prompt's text byte by byte; several prompts' line by line, each line prefixed ``[i]``.
+cache per prompt (a Hugging Face model's in transformers' ``DynamicCache``; ``--no-cache``: the whole
+window every byte), on one intra-op thread per rank (a decode step computes one byte: more threads only
+wait for each other, see ``docs/benchmarks.md``). Prompts travel in ``--groups`` groups so the pipeline
+stays full. The last rank samples and prints as bytes come: one prompt's text byte by byte; several
+prompts' line by line, each line prefixed ``[i]``.
 
 Prompts are bytes: ``--prompt`` as the shell passed it (``os.fsencode``: invalid UTF-8 included), a
 ``--prompts`` file read in binary, one prompt per line (blank lines skipped). The model reads bytes, so
@@ -34,12 +35,11 @@ from pipeclock.app.arguments import (
     positive_float,
     positive_int,
 )
-from pipeclock.app.decode_schedule import decode_schedule, simulate
+from pipeclock.app.decode_schedule import simulate
+from pipeclock.app.generation_model import StageModel
 from pipeclock.app.generation_pipeline import Outcome, Settings, StageRunner, split_groups
 from pipeclock.comm_errors import CommError
-from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.registry import describe
-from pipeclock.models.sampling import sample
 from pipeclock.observe.timeline import Timeline
 
 DEFAULT_PROMPT = "def "
@@ -109,23 +109,18 @@ def _interrupted(rank: int, code: int) -> int:
 def _run(args: argparse.Namespace) -> int:
     path = checkpoint_choice.resolve(args.directory)
     run_info = checkpoint_choice.read_run(path)
-    if run_info.get("model") == "HF":
-        return _generate_whole(args, path, run_info)
-    if run_info.get("model") != "GPT":
-        raise ValueError(f"{path} holds a {describe(run_info)}, not a GPT: nothing to generate text with")
-    config = GPTConfig(**run_info["gpt"])
-    prompts = read_prompts(args, config.seq_len)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = StageModel.of(run_info, path, world)  # more ranks than pieces: one line, before any wait
+    prompts = read_prompts(args, model.seq_len)
     groups = split_groups(len(prompts), args.groups or min(world, len(prompts)))
     if args.png:
         check_output(args.png, "--png")
-    GPT.stage_pieces(config, world)  # more ranks than pieces: one line, before any process waits
     rank, world = comms.init(timeout=args.timeout)
     torch.set_num_threads(1)  # a decode step is a batch of one byte: more threads only wait for each other
-    pieces = GPT.for_rank(config, rank, world)[0]
+    pieces = model.build(rank, world)
     checkpoint.load_weights(path, [pieces])
     settings = Settings(
-        tokens=args.tokens, seq_len=config.seq_len, dim=config.dim, temperature=args.temperature,
+        tokens=args.tokens, seq_len=model.seq_len, dim=model.dim, temperature=args.temperature,
         top_k=args.top_k, seed=args.seed, stop=os.fsencode(args.stop or ""), cache=not args.no_cache,
     )  # fmt: skip
     last = rank == world - 1
@@ -133,37 +128,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
     printer = Printer(prompts) if last else None
     comms.barrier("starting to generate")
-    outcome = StageRunner(pieces, prompts, groups, settings).run(printer.byte if printer else None)
+    runner = StageRunner(pieces, prompts, groups, settings, model.decoding)
+    outcome = runner.run(printer.byte if printer else None)
     if printer:
         printer.close()
     _report(outcome, args, world, groups, settings)
     return 0
-
-
-def _generate_whole(args: argparse.Namespace, path, run_info: dict) -> int:
-    """A Hugging Face checkpoint: the whole model on one process, without a cache, prompt after prompt."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("a Hugging Face checkpoint generates on one process: run generate without torchrun")
-    model = _AmongBytes(checkpoint.load_model(path)[0])
-    seq_len = run_info["seq_len"]
-    print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
-    for index, prompt in enumerate(read_prompts(args, seq_len)):
-        ids = sample(model, torch.tensor(prompt), args.tokens, seq_len, args.temperature, args.top_k,
-                     args.seed, prompt_index=index, cache=False)  # fmt: skip
-        text = bytes(ids.tolist()).decode("utf-8", errors="replace")
-        print(text if index == 0 and not args.prompts and len(args.prompt or []) < 2 else f"[{index}] {text}")
-    return 0
-
-
-class _AmongBytes(torch.nn.Module):
-    """A model trained on bytes, sampled among the bytes only (its vocabulary may be larger)."""
-
-    def __init__(self, whole: torch.nn.Module) -> None:
-        super().__init__()
-        self.whole = whole
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.whole(ids)[..., :256]
 
 
 def read_prompts(args: argparse.Namespace, seq_len: int) -> list[list[int]]:
@@ -267,7 +237,8 @@ def _report(
 def timelines(
     every: list[Outcome], world: int, groups: list[list[int]], tokens: int
 ) -> tuple[Timeline, Timeline]:
-    """The measured timeline of every rank, and the simulator's for the same schedule, in seconds."""
+    """The measured timeline of every rank, and the engine's simulator's for the same decode program, in
+    seconds."""
     measured = Timeline([span for outcome in every for span in outcome.spans], world)
     sizes = [len(group) for group in groups]
     per_prompt = (
@@ -275,5 +246,5 @@ def timelines(
         if measured.spans
         else 0.0
     )
-    predicted = simulate(decode_schedule(world, len(groups), tokens), compute=[per_prompt * n for n in sizes])
+    predicted = simulate(world, sizes, tokens, per_prompt)
     return measured, predicted

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -172,7 +173,7 @@ class HFStage(nn.Module):
 
     # --- running ----------------------------------------------------------------------------------------
 
-    def _layer_calls(self, hidden_or_ids: torch.Tensor, mask: torch.Tensor | None) -> dict:
+    def _layer_calls(self, hidden_or_ids: torch.Tensor, mask: torch.Tensor | None, **prelude) -> dict:
         """Run the prelude: each needed layer's (input, args, kwargs) as the base model would call it."""
         self._record.clear()
         self._record["stop_after"] = self.layer_indices[-1] if self.layer_indices else 0
@@ -180,25 +181,41 @@ class HFStage(nn.Module):
             {"input_ids": hidden_or_ids} if self.has_embedding else {"inputs_embeds": hidden_or_ids.detach()}
         )
         with contextlib.suppress(_StopPrelude):
-            self._prelude(**given, attention_mask=mask, use_cache=False)
+            self._prelude(**given, attention_mask=mask, **(prelude or {"use_cache": False}))
         record = dict(self._record)
         self._record.clear()
         return record
 
     def forward(self, inputs):
         first, mask = _unpack(inputs)
+        hidden = self._through_layers(first, mask)
+        if self.has_head:
+            return self._head_runner(inputs_embeds=hidden, use_cache=False).logits
+        return hidden if mask is None else (hidden, mask)
+
+    def forward_cached(self, inputs: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Generation's forward: the tokens at ``positions`` (``(1, n)``) after those whose keys and
+        values ``cache`` holds (a transformers ``Cache``, None on a stage without layers; its layers grow
+        by ``n``) -> their hidden states, or their logits on the head's stage."""
+        prelude = {"position_ids": positions, "use_cache": cache is not None}
+        if cache is not None:
+            prelude[_cache_argument(self._prelude)] = cache
+        hidden = self._through_layers(inputs, None, **prelude)
+        if self.has_head:
+            return self._head_runner(inputs_embeds=hidden, use_cache=False).logits
+        return hidden
+
+    def _through_layers(self, first: torch.Tensor, mask: torch.Tensor | None, **prelude) -> torch.Tensor:
         hidden = first
         if self._prelude is not None:
-            calls = self._layer_calls(first, mask)
+            calls = self._layer_calls(first, mask, **prelude)
             if self.has_embedding:
                 hidden = calls[self.layer_indices[0] if self.layer_indices else 0][0]
             layers = getattr(self._base(), self.layout.layers)
             for index in self.layer_indices:
                 _, args, kwargs = calls[index]
                 hidden = _first_tensor(layers[str(index)](hidden, *args, **kwargs))
-        if self.has_head:
-            return self._head_runner(inputs_embeds=hidden, use_cache=False).logits
-        return hidden if mask is None else (hidden, mask)
+        return hidden
 
     def extra_repr(self) -> str:
         return f"pieces={self.pieces.start}..{self.pieces.stop - 1} of {self.layout.num_pieces}"
@@ -214,6 +231,12 @@ def _unpack(inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise TypeError(
         "an HF stage takes token ids, (ids, attention_mask) or the previous stage's (hidden, attention_mask)"
     )
+
+
+def _cache_argument(base: nn.Module) -> str:
+    """The name a base model's ``forward`` takes its cache by: ``cache``, or ``past_key_values`` before
+    transformers 5.x renamed it."""
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _first_tensor(output) -> torch.Tensor:
