@@ -23,11 +23,9 @@ from collections.abc import Sequence
 
 from pipeclock.engine.actions import Action, Schedule
 from pipeclock.engine.placement import Placement
-from pipeclock.engine.program import Instruction, Program, lower, simulate_program
+from pipeclock.engine.program import STEP, Instruction, Program, lower, simulate_program
 from pipeclock.engine.spans import Span
 from pipeclock.observe.timeline import Timeline
-
-_STEP_WORDS = ("SIZES", "LOSS")  # a training step's own words: a decode program has no batch and no loss
 
 
 def decode_schedule(num_stages: int, num_groups: int, tokens: int) -> Schedule:
@@ -37,10 +35,10 @@ def decode_schedule(num_stages: int, num_groups: int, tokens: int) -> Schedule:
 
 
 def decode_program(num_stages: int, num_groups: int, tokens: int) -> list[Program]:
-    """Every rank's decode program: the schedule lowered by the engine, without the training step's
-    ``SIZES`` and ``LOSS``."""
+    """Every rank's decode program: the schedule lowered by the engine, without the training step's own
+    words (``SIZES``, ``AGREE``, ``LOSS``): a decode program has no batch to agree on and no loss."""
     programs = lower(decode_schedule(num_stages, num_groups, tokens))
-    return [[i for i in program if i.kind not in _STEP_WORDS] for program in programs]
+    return [[i for i in program if i.kind not in STEP] for program in programs]
 
 
 def token_of(instruction: Instruction, num_stages: int) -> int:
