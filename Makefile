@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 # -q -ra --tb=short: short tracebacks, and the failures' one-line summary last, where a CI log's tail shows it.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -ra --tb=short tests
+	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
