@@ -92,7 +92,8 @@ def test_a_prediction_charges_each_message_the_link_and_the_bytes_the_run_sent()
     printed = "\n".join(
         summary_lines(report, "1f1b", SCHEDULE, 32, Link(latency=0.001, bandwidth=2**20 / 0.002))
     )
-    assert f"simulated with the measured op times {linked.bubble_share:.1%}" in printed
+    said = f"simulated with the measured op times {linked.bubble_share:.1%} (each message 1000 us + its bytes"
+    assert said in printed
 
 
 def test_a_prediction_simulates_the_actions_the_engine_ran():

@@ -42,6 +42,14 @@ def predicted_timeline(report: RunReport, schedule: Schedule, link: Link = Link(
     return simulate(schedule, per_op, link.latency, link.bandwidth, lambda _send: per_message)
 
 
+def _link_text(link: Link) -> str:
+    """What the prediction charged each message, when it charged anything."""
+    if link == Link():
+        return ""
+    size = f" + its bytes at {link.bandwidth / 2**20:g} MiB/s" if link.bandwidth else ""
+    return f" (each message {link.latency * 1e6:g} us{size})"
+
+
 def message_bytes(report: RunReport, schedule: Schedule) -> float:
     """The mean bytes of one activation or gradient message over the measured steps."""
     sends = sum(i.kind in ("SEND_F", "SEND_B") for rank in lower(schedule) for i in rank)
@@ -100,7 +108,7 @@ def summary_lines(
         f"bubble           measured {step.timeline.bubble_share:.1%} of that step's makespan "
         f"({duration_text(step.timeline.makespan * 1e3, 'ms')}, first action to last)"
         + (f"; formula {bubble_formula_text(schedule_name)} = {formula:.1%}" if formula is not None else "")
-        + f"; simulated with the measured op times {predicted.bubble_share:.1%}",
+        + f"; simulated with the measured op times {predicted.bubble_share:.1%}{_link_text(link)}",
         "",
     ]
     wide = report.data_parallel or len(report.hosts) > 1
