@@ -53,10 +53,6 @@ class HFTask(LanguageTask):
                 f"{self.source}: a vocabulary of {vocabulary} tokens cannot hold the corpus's bytes "
                 f"(at least {MIN_BYTE_VOCABULARY} are needed without a tokenizer)"
             )
-        if config.balance != "layers":
-            raise ValueError(
-                f"--balance {config.balance} does not measure Hugging Face models yet: use --balance layers"
-            )
         positions = getattr(self.hf_config, "max_position_embeddings", None)
         if positions is not None and config.seq_len > positions:
             raise ValueError(f"--seq-len {config.seq_len} is longer than the model's {positions} positions")

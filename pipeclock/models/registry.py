@@ -6,6 +6,8 @@ single process rebuilds the whole model, loads every stage's weights into it, an
 
 from __future__ import annotations
 
+import json
+
 from torch import nn
 
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
@@ -57,6 +59,8 @@ def hf_config(run: dict):
 
 
 def _comparable(config: dict) -> dict:
-    """An HF config without the fields that do not change the model (versions, dropout, dtype)."""
+    """An HF config without the fields that do not change the model (versions, dropout, dtype), as its
+    JSON reads it back (a saved ``id2label``'s keys are strings, a config's own are ints)."""
     ignore = {"transformers_version", "torch_dtype", "dtype", "resid_pdrop", "embd_pdrop", "dropout"}
-    return {key: value for key, value in config.items() if key not in ignore}
+    plain = json.loads(json.dumps(config, default=str))
+    return {key: value for key, value in plain.items() if key not in ignore}
