@@ -115,3 +115,25 @@ def resident(field: str = "VmRSS") -> int:
 def reset_resident_peak() -> None:
     """Start ``VmHWM`` again from the memory resident now."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def model_with_tokenizer(directory: Path, text: str, vocab_size: int = 320) -> None:
+    """A ``from_pretrained`` directory as a user brings it: a tiny Llama's weights beside a byte-level BPE
+    tokenizer trained here on ``text`` (offline, with the ``tokenizers`` library transformers uses)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        [text], trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    config = llama_config(layers=2)
+    config.vocab_size = len(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))

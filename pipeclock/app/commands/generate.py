@@ -141,18 +141,36 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _generate_whole(args: argparse.Namespace, path, run_info: dict) -> int:
-    """A Hugging Face checkpoint: the whole model on one process, without a cache, prompt after prompt."""
+    """A Hugging Face checkpoint: the whole model on one process, without a cache, prompt after prompt,
+    in the tokens of the tokenizer it was trained with (``--tokens`` of them), or else in bytes."""
+    from pipeclock.models.registry import run_tokens
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("a Hugging Face checkpoint generates on one process: run generate without torchrun")
-    model = _AmongBytes(checkpoint.load_model(path)[0])
+    tokens = run_tokens(run_info)
+    model = checkpoint.load_model(path)[0]
+    model = model if tokens is not None else _AmongBytes(model)
     seq_len = run_info["seq_len"]
     print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
     for index, prompt in enumerate(read_prompts(args, seq_len)):
+        if tokens is not None:
+            prompt = _as_tokens(tokens, prompt, seq_len)
         ids = sample(model, torch.tensor(prompt), args.tokens, seq_len, args.temperature, args.top_k,
                      args.seed, prompt_index=index, cache=False)  # fmt: skip
-        text = bytes(ids.tolist()).decode("utf-8", errors="replace")
+        if tokens is None:
+            text = bytes(ids.tolist()).decode("utf-8", errors="replace")
+        else:
+            text = tokens.decode(ids.tolist())
         print(text if index == 0 and not args.prompts and len(args.prompt or []) < 2 else f"[{index}] {text}")
     return 0
+
+
+def _as_tokens(tokens, prompt: list[int], seq_len: int) -> list[int]:
+    """A prompt's bytes as the run's tokens (bad UTF-8 as U+FFFD); it must fit the context too."""
+    ids = tokens.encode(bytes(prompt).decode("utf-8", errors="replace"))
+    if not ids or len(ids) > seq_len:
+        raise ValueError(f"a prompt is {len(ids)} tokens: the model's context holds 1 to {seq_len}")
+    return ids
 
 
 class _AmongBytes(torch.nn.Module):
