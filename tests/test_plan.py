@@ -251,6 +251,13 @@ def test_an_hf_config_is_planned_each_rank_holding_the_parameters_its_split_hold
         for rank, part in enumerate(partition(len(pieces), stages)):
             split = sum(p.numel() for p in hf.split(config, rank, stages).parameters())
             assert sum(pieces[i].parameters for i in part) == split, (stages, rank)
+    # where one rank holds both ends it holds the tied matrix once: one stage, or V's first and last
+    for name, stages, chunks in (("1f1b", 1, 1), ("zb-v", 2, 2)):
+        planned = judge(pieces, name, stages, 2, simulated=False).memory
+        for rank in range(stages):
+            built = hf.split(config, rank, stages, chunks=chunks, placement="v" if chunks > 1 else "loop")
+            held = {id(p): p.numel() for c in (built if chunks > 1 else [built]) for p in c.parameters()}
+            assert planned[rank].parameters == 4 * sum(held.values()), (name, rank)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from pipeclock.observe.profile import LayerCost
-from pipeclock.observe.rank_memory import Training
+from pipeclock.observe.rank_memory import Training, held_parameters
 from pipeclock.observe.sizes import format_bytes
 
 MODEL_BATCH_SIZES = {"mlp": 128, "gpt": 16, "hf": 16, "params": 128}
@@ -32,7 +32,7 @@ class PlannedModel:
 
     @property
     def parameters(self) -> int:
-        return sum(layer.parameters for layer in self.layers)
+        return held_parameters(self.layers)  # the whole model: a tied matrix once
 
 
 def rough_layers(parameters: int, num_layers: int, samples: int) -> list[LayerCost]:
