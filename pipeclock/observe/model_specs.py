@@ -78,7 +78,7 @@ def hf_spec(config, seq_len: int, seed: int = 0) -> ModelSpec:
     piece given memory), fed token ids of ``seq_len`` and measured with HF's ``labels=`` loss.
 
     A tied head built alone holds its own copy of the embedding's matrix, as a rank without the
-    embedding does; a rank holding both holds it once, which a sum over pieces counts twice.
+    embedding does; both are marked tied, so a rank holding both ends counts the matrix once.
     """
     from pipeclock.models import hf
 
