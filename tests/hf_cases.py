@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,17 @@ def llama_config(layers: int = LAYERS):
 
 
 CONFIGS = {"gpt2": gpt2_config, "llama": llama_config}
+
+
+def large_vocabulary_config():
+    """A Llama whose embedding and head (32,000 x 512 each) outweigh five of its eight layers each: 55 M
+    parameters, 221 MB in float32, large enough for a rank's share to stand out of what a process holds."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def padded_batch(
@@ -91,3 +104,36 @@ def worst_gap(loss: float, chunks, want_loss: float, want_grads: dict) -> float:
         for name, parameter in chunk.named_parameters():
             gaps.append(relative_gap(parameter.grad, want_grads[tie_key(parameter) or name]))
     return max(gaps)
+
+
+def resident(field: str = "VmRSS") -> int:
+    """This process's resident memory in bytes (``VmHWM``: its high-water mark) from /proc (Linux)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+
+
+def reset_resident_peak() -> None:
+    """Start ``VmHWM`` again from the memory resident now."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def model_with_tokenizer(directory: Path, text: str, vocab_size: int = 320) -> None:
+    """A ``from_pretrained`` directory as a user brings it: a tiny Llama's weights beside a byte-level BPE
+    tokenizer trained here on ``text`` (offline, with the ``tokenizers`` library transformers uses)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        [text], trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False)
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    config = llama_config(layers=2)
+    config.vocab_size = len(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))

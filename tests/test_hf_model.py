@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,57 @@ def test_what_cannot_be_split_is_one_clear_line(tmp_path):
     assert "vocabulary of 100 tokens" in message
     message = one_line_error(lambda: hf.split(str(small), 0, 2))
     assert "holds no weights" in message
+
+
+# --- a model's own tokenizer ---------------------------------------------------------------------------
+
+
+def test_a_model_directorys_tokenizer_reads_the_corpus_and_generate_decodes_with_it(tmp_path, capsys):
+    """--hf-model DIR with a tokenizer in DIR: the corpus is its tokens, the checkpoint names it, export
+    copies it, and generate (greedy) continues a prompt as the exported model and tokenizer do."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeclock.app.cli import main
+    from pipeclock.app.hf_task import HFTask
+    from pipeclock.app.train import TrainConfig
+    from tests.hf_cases import model_with_tokenizer
+
+    text = Path(json.__file__).read_text()
+    (tmp_path / "corpus.txt").write_text(text)
+    model_with_tokenizer(tmp_path / "model", text)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "model"), local_files_only=True)
+    flags = dict(model="hf", hf_model=str(tmp_path / "model"), data=str(tmp_path / "corpus.txt"), seq_len=16)
+    task = HFTask(TrainConfig(**flags, batch_size=4))
+    train_text = text.encode()[: task.bytes.train.numel()].decode("utf-8", errors="replace")
+    assert task.corpus.train.tolist() == tokenizer.encode(train_text, add_special_tokens=False)
+    assert task.batch(0, 4)[0].max() >= 256  # tokens beyond the bytes' ids
+
+    args = ["--model", "hf", "--hf-model", str(tmp_path / "model"), "--data", str(tmp_path / "corpus.txt"),
+            "--seq-len", "16", "--steps", "2", "--batch-size", "4", "--microbatches", "2",
+            "--checkpoint-dir", str(tmp_path / "run"), "--eval-batches", "1"]  # fmt: skip
+    assert main(["train", *args]) == 0
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def f", "--tokens", "6",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    generated = capsys.readouterr().out.strip()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+    ids = exported.encode("def f", add_special_tokens=False)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
+    assert generated == exported.decode(ids)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_one_clear_line(tmp_path):
+    from pipeclock.app.hf_task import HFTask
+    from pipeclock.app.train import TrainConfig
+    from tests.hf_cases import model_with_tokenizer
+
+    model_with_tokenizer(tmp_path, "a few words to learn merges from")
+    config = json.loads((tmp_path / "config.json").read_text())
+    ids = config["vocab_size"]  # the tokenizer's, all of them
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": ids - 1}))
+    message = one_line_error(lambda: HFTask(TrainConfig(model="hf", hf_model=str(tmp_path))))
+    assert f"its tokenizer gives {ids} ids, more than the model's vocabulary of {ids - 1}" in message

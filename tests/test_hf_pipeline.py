@@ -10,11 +10,18 @@ per stage count p in {1, 2, 3, 4}, and every check of that p runs inside it (`la
 each schedule runs once, on GPT-2 or Llama in turn (the other model at the next p), with m taken in turn
 from {1, p, 2p + 1}; across the launches every schedule meets both models and m in {1, p, 2p + 1}. GPT-2
 runs with dropout at odd p. The same launches train 20 steps through ``train`` (p <= 3), and the p = 2
-run's checkpoint is exported for ``transformers`` to load. Batches whose length changes from step to step
-run in a launch of their own: the engine does not take them yet, and its failure can end the processes.
+run's checkpoint is exported for ``transformers`` to load and resumed from its step 10; a Llama with a
+wide vocabulary trains 5 steps cut by count (p = 1) and by memory (p = 3); at p = 4 each
+rank measures what its stage of a 32,000-token Llama allocates (the memory wall). Batches whose length
+changes from step to step run in a launch of their own: the engine does not take them yet, and its
+failure can end the processes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 import pytest
 import torch
@@ -28,9 +35,12 @@ from tests.distributed import run_ok, run_ranks
 from tests.hf_cases import (
     CONFIGS,
     gpt2_config,
+    large_vocabulary_config,
     llama_config,
     padded_batch,
     reference,
+    reset_resident_peak,
+    resident,
     worst_gap,
 )
 
@@ -105,20 +115,70 @@ def engine_features(rank: int, p: int) -> dict[str, float]:
     return found
 
 
+WALL = dict(samples=4, tokens=16, microbatches=4, steps=2)  # the memory wall's training: 1F1B, Adam
+
+
+def memory_wall(rank: int, p: int) -> int:
+    """The most resident memory a rank gains while it builds its stage of `large_vocabulary_config` and
+    trains it for ``WALL["steps"]`` steps with Adam (after the same on a tiny model: imports, first calls)."""
+    ids = torch.randint(0, 256, (WALL["samples"], WALL["tokens"]), generator=torch.Generator())
+    _build_and_train(llama_config(), rank, p, ids)
+    reset_resident_peak()
+    before = resident()
+    _build_and_train(large_vocabulary_config(), rank, p, ids)
+    return resident("VmHWM") - before
+
+
+def _build_and_train(config, rank: int, p: int, ids: torch.Tensor) -> None:
+    from pipeclock.models import hf
+
+    stage = hf.split(config, rank, p)
+    optimizer = torch.optim.Adam(stage.parameters())
+    pipe = schedule.Pipeline([stage], "1f1b", WALL["microbatches"], hf.loss())
+    for _ in range(WALL["steps"]):
+        pipe.step(ids, ids)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+BALANCED = {1: "layers", 3: "memory"}  # the cut of the wide-vocabulary runs, per p
+
+
 def everything_on(rank: int, p: int, workdir: str) -> dict:
     torch.set_num_threads(1)
     found: dict = {"matrix": {case: one_case(rank, p, *case) for case in cases_for(p)}}
     if p <= 3:
-        checkpoints = f"{workdir}/checkpoints" if p == 2 else None
-        result = train(training(f"{workdir}/llama", p, checkpoints))
+        saving = dict(checkpoint_dir=f"{workdir}/checkpoints", checkpoint_every=10) if p == 2 else {}
+        result = train(training(f"{workdir}/llama", p, **saving))
         found["losses"], found["validation"] = result.losses, result.validation
+        if p in BALANCED:
+            wide = train(training(f"{workdir}/wide", p, steps=5, balance=BALANCED[p]))
+            found["wide"] = {"losses": wide.losses, "pieces": [m.pieces for m in wide.modules]}
     if p == 2:
         found["features"] = engine_features(rank, p)
-    if p == 4:  # two replicas of a 2-stage pipeline
+        halted = f"{workdir}/checkpoints/step_000010"  # as if the run had stopped there
+        resumed = train(training(f"{workdir}/llama", p, f"{workdir}/resumed", resume=halted))
+        found["resumed"] = (resumed.first_step, resumed.losses)
+    if p == 4:  # the memory wall; two replicas of a 2-stage pipeline
+        found["wall"] = memory_wall(rank, p)
         for kind in ("fsdp", "ddp"):
             run = train(training(f"{workdir}/llama", p, dp=2, data_parallel=kind, steps=10))
             found[f"losses {kind}"] = run.losses
     return found
+
+
+@contextlib.contextmanager
+def _allocator_returning_freed_memory(wanted: bool):
+    """glibc's malloc hands memory back when freed (above 64 KiB): the resident memory the memory wall
+    measures is then what is alive, not what the allocator kept from earlier tensors."""
+    if not wanted:
+        yield
+        return
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield
+    finally:
+        del os.environ["MALLOC_MMAP_THRESHOLD_"]
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +188,15 @@ def launch(tmp_path_factory):
     config = llama_config(layers=4)
     config.vocab_size = 256
     config.save_pretrained(str(workdir / "llama"))
+    wide = llama_config(layers=4)
+    wide.vocab_size = 4096  # the embedding and the head 16 times a layer's parameters
+    wide.save_pretrained(str(workdir / "wide"))
     done: dict[int, list[dict]] = {}
 
     def findings(p: int) -> list[dict]:
         if p not in done:
-            done[p] = run_ok(everything_on, p, str(workdir), deadline=420)
+            with _allocator_returning_freed_memory(p == 4):
+                done[p] = run_ok(everything_on, p, str(workdir), deadline=420)
         return done[p]
 
     findings.workdir = workdir
@@ -154,6 +218,26 @@ def test_twenty_steps_of_train_model_hf_give_one_loss_curve_on_one_two_and_three
     for p in (2, 3):
         gap = max(abs(a - b) / abs(b) for a, b in zip(curves[p], curves[1], strict=True))
         assert gap <= TOLERANCE, f"{p} ranks: the loss curve is {gap:.2e} off one rank's"
+
+
+def test_a_cut_by_memory_trains_the_one_rank_curve_and_gives_the_heavy_ends_fewer_pieces(launch):
+    """The wide-vocabulary Llama (6 pieces, the embedding and the head heavy) for 5 steps, cut by memory
+    on 3 ranks (rank 0 measures the pieces, every rank builds its share): the one-rank loss curve."""
+    one_rank = launch(1)[0]["wide"]["losses"]
+    run = [ranks["wide"] for ranks in launch(3)]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(run[0]["losses"], one_rank, strict=True))
+    assert gap <= TOLERANCE, f"--balance memory on 3 ranks: the curve is {gap:.2e} off one rank's"
+    by_memory = [pieces for ranks in run for pieces in ranks["pieces"]]
+    assert by_memory == [range(0, 1), range(1, 5), range(5, 6)]  # by count: 0..1, 2..3, 4..5
+
+
+def test_a_run_resumed_from_its_checkpoint_at_step_10_continues_the_uninterrupted_curve(launch):
+    """``--resume`` from the 20-step run's checkpoint at step 10 (HF names, the config as saved)."""
+    uninterrupted = launch(2)[0]["losses"]
+    first_step, resumed = launch(2)[0]["resumed"]
+    assert first_step == 10 and len(resumed) == 10
+    gap = max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[10:], strict=True))
+    assert gap <= TOLERANCE, f"the resumed curve is {gap:.2e} off the uninterrupted one"
 
 
 def test_two_data_parallel_replicas_of_an_hf_pipeline_follow_the_one_rank_curve(launch):
@@ -199,3 +283,43 @@ def test_batches_whose_length_changes_from_step_to_step_give_the_one_process_res
     outcomes = run_ranks(changing_lengths, 2, deadline=120)
     assert all(outcome.ok for outcome in outcomes), [outcome.error for outcome in outcomes]
     assert max(outcome.value for outcome in outcomes) <= TOLERANCE
+
+
+@functools.cache
+def large_vocabulary_costs():
+    """The pieces of `large_vocabulary_config` as the planner measures them, for the memory wall's batch."""
+    from pipeclock.observe.model_specs import hf_spec
+    from pipeclock.observe.profile import profile
+
+    torch.set_num_threads(1)
+    spec = hf_spec(large_vocabulary_config(), WALL["tokens"])
+    return profile(spec, WALL["samples"] // WALL["microbatches"], repeats=1, warmup=0)
+
+
+def test_each_rank_of_a_four_stage_split_allocates_its_planned_share_never_the_whole_model(launch):
+    """Build and two Adam steps of a Llama with a 32,000-token vocabulary: each rank's peak resident
+    growth is within 15 % of the planner's figure for its stage, far below the whole model's."""
+    from pipeclock.observe.planner import judge
+
+    grown = [ranks["wall"] for ranks in launch(4)]
+    layers = large_vocabulary_costs()
+    plan = judge(layers, "1f1b", 4, WALL["microbatches"], simulated=False)
+    planned = [rank.total for rank in plan.memory]
+    whole = 16 * sum(layer.parameters for layer in layers)  # weights, gradients, Adam: the whole model
+    assert max(planned) < 0.55 * whole  # the fullest rank, the embedding's, plans 52 % of it
+    for rank, (got, want) in enumerate(zip(grown, planned, strict=True)):
+        assert got == pytest.approx(want, rel=0.15), f"rank {rank}: grew {got / 2**20:.1f} MiB"
+        print(f"rank {rank}: grew {got / 2**20:.1f} MiB, planned {want / 2**20:.1f} MiB")
+
+
+def test_at_a_large_vocabulary_a_cut_by_time_or_memory_moves_layers_away_from_the_heavy_ends():
+    """10 pieces on 4 stages: by count 3, 3, 2, 2, so the head's stage holds the slowest and largest piece
+    and a layer, the embedding's stage the other large piece and two layers. By time the head stands
+    alone (the embedding is a lookup: cheap); by memory both ends do, or nearly."""
+    from pipeclock.observe.planner import cut_for
+
+    layers = large_vocabulary_costs()
+    assert [len(part) for part in cut_for(layers, 4, "layers")] == [3, 3, 2, 2]
+    by_time, by_memory = cut_for(layers, 4, "time"), cut_for(layers, 4, "memory")
+    assert len(by_time[-1]) == 1, by_time
+    assert len(by_memory[0]) < 3 and len(by_memory[-1]) == 1, by_memory

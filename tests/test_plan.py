@@ -231,9 +231,50 @@ def test_the_course_question_is_answered_with_its_reasoning(monkeypatch, capsys)
     assert code == 0 and "+ 4 GB runtime" in out and "answer: 16 stages" in out
 
 
+def test_an_hf_config_is_planned_each_rank_holding_the_parameters_its_split_holds(
+    monkeypatch, capsys, tmp_path
+):
+    """GPT-2 (a tied head) from its config.json: the command plans it, and the planner's parameters per
+    stage are those ``hf.split`` gives each rank, the head's copy of the tied matrix included."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config
+
+    from pipeclock.models import hf
+    from pipeclock.models.split import partition
+    from pipeclock.observe.model_specs import hf_spec
+
+    config = GPT2Config(
+        n_embd=16, n_layer=4, n_head=2, vocab_size=1000, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    config.save_pretrained(str(tmp_path))
+    code, out, err = plan_command(
+        monkeypatch, capsys, "--model", "hf", "--hf-config", str(tmp_path), "--seq-len", "16",
+        "--batch-size", "4", "--stages", "2,3", "--microbatches", "2", "--schedules", "1f1b",
+        "--recompute", "none", "--device-memory", "1GB",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "gpt2 4 layers x 16 (vocab 1,000)" in out and "answer: 2 stages" in out
+    pieces = profile(hf_spec(config, 16), samples=2, repeats=1, warmup=0)
+    assert [layer.name for layer in pieces[:2]] == ["transformer.wte", "transformer.h.0"]
+    for stages in (2, 3):
+        for rank, part in enumerate(partition(len(pieces), stages)):
+            split = sum(p.numel() for p in hf.split(config, rank, stages).parameters())
+            assert sum(pieces[i].parameters for i in part) == split, (stages, rank)
+    # where one rank holds both ends it holds the tied matrix once: one stage, or V's first and last
+    for name, stages, chunks in (("1f1b", 1, 1), ("zb-v", 2, 2)):
+        planned = judge(pieces, name, stages, 2, simulated=False).memory
+        for rank in range(stages):
+            built = hf.split(config, rank, stages, chunks=chunks, placement="v" if chunks > 1 else "loop")
+            held = {id(p): p.numel() for c in (built if chunks > 1 else [built]) for p in c.parameters()}
+            assert planned[rank].parameters == 4 * sum(held.values()), (name, rank)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["--model", "hf"], "--model hf needs --hf-config PATH"),
+        (["--model", "hf", "--hf-config", "config.json", "--layers", "4"], "--layers does not apply"),
+        (["--model", "hf", "--hf-config", "/nowhere/config.json"], "no Hugging Face config at"),
         (["--params", "10e9", "--device-memory", "24XB"], "unknown unit 'XB'"),
         (["--params", "10e9", "--device-memory", "512MB"], "one layer alone needs 10 GB to train"),
         (["--params", "10e9", "--stages", "20"], "more than the model's 16 layers"),

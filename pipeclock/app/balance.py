@@ -40,22 +40,31 @@ def stage_cut(config, table) -> list[range] | None:
 def _by_count(config, num_virtual: int) -> str:
     from pipeclock.models.split import partition
 
-    layers = config.layers + 2 if config.model == "gpt" else config.layers
+    layers = _spec(config).num_layers
     return " | ".join(f"{part.start}..{part.stop - 1}" for part in partition(layers, num_virtual))
 
 
 def _measured_cut(config, num_virtual: int, table) -> list[range]:
-    from pipeclock.models.gpt import GPTConfig
-    from pipeclock.observe.model_specs import gpt_spec, mlp_spec
     from pipeclock.observe.profile import profile
 
+    samples = math.ceil(config.batch_size / config.dp / config.microbatches)  # one replica's micro-batch
+    training = Training(dtype=config.dtype)
+    measured = profile(_spec(config), samples, dtype=config.dtype)
+    return cut_for(measured, num_virtual, config.balance, training, table)
+
+
+def _spec(config):
+    """The model ``config`` trains, as the profile builds it a piece at a time."""
+    from pipeclock.models.gpt import GPTConfig
+    from pipeclock.observe.model_specs import gpt_spec, hf_spec, mlp_spec
+
+    if config.model == "hf":
+        from pipeclock.app.hf_task import hf_source
+
+        return hf_spec(hf_source(config), config.seq_len, config.seed)
     if config.model == "gpt":
         gpt = GPTConfig(
             dim=config.dim, layers=config.layers, heads=config.heads, seq_len=config.seq_len, seed=config.seed
         )
-        spec = gpt_spec(gpt)
-    else:
-        spec = mlp_spec(config.hidden, config.layers, config.seed)
-    samples = math.ceil(config.batch_size / config.dp / config.microbatches)  # one replica's micro-batch
-    training = Training(dtype=config.dtype)
-    return cut_for(profile(spec, samples, dtype=config.dtype), num_virtual, config.balance, training, table)
+        return gpt_spec(gpt)
+    return mlp_spec(config.hidden, config.layers, config.seed)

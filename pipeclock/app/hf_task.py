@@ -2,9 +2,10 @@
 
 The model comes from ``--hf-config PATH`` (a ``config.json`` or a directory holding one: random initial
 weights from ``--seed``) or ``--hf-model DIR`` (a local ``from_pretrained`` directory: its weights, each
-rank reading only its own tensors). Nothing is downloaded. Tokens are the corpus's bytes, so the model's
-vocabulary must have at least 256 entries; the loss is HF's ``labels=`` loss (the labels are the inputs,
-shifted inside the loss), validation in bits per byte as for the GPT.
+rank reading only its own tensors). Nothing is downloaded. The corpus is read in the tokens of DIR's own
+tokenizer when it has one, else as bytes, for which the model's vocabulary must have at least 256 entries.
+The loss is HF's ``labels=`` loss (the labels are the inputs, shifted inside the loss); validation is in
+bits per byte as for the GPT (nats per token over the validation text's bytes per token).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from pipeclock.app.tasks import LanguageTask
 from pipeclock.engine.placement import Placement
+from pipeclock.models.text import bigram_bits_per_byte, bits_per_byte
 
 
 def hf_source(config) -> str:
@@ -35,12 +37,22 @@ class HFTask(LanguageTask):
 
     def __init__(self, config):
         from pipeclock.models import hf
+        from pipeclock.models.hf.tokens import Tokens, has_tokenizer
 
         self.source = hf_source(config)
         self.hf_config = hf.prepared_config(hf.config_of(self.source))
         self.layout = hf.layout_of(self.hf_config)
+        given = config.hf_model and has_tokenizer(self.source)
+        self.tokens = Tokens(self.source) if given else None
         self._check_fits(config)
         super().__init__(config)
+        if self.tokens is not None:
+            self.bytes = self.corpus  # the bigram baseline reads the text as bytes
+            self.corpus = self.corpus.tokenized(self.tokens.encode, self.tokens.name)
+            self.corpus.check_fits(config.seq_len)
+            self.validation = self.corpus.validation_batches(
+                config.batch_size, config.seq_len, max(1, config.eval_batches)
+            )
         self.loss_fn = hf.loss()
         self.validation = [(inputs, inputs) for inputs, _ in self.validation]
 
@@ -48,14 +60,15 @@ class HFTask(LanguageTask):
         from pipeclock.models.hf import MIN_BYTE_VOCABULARY
 
         vocabulary = self.hf_config.vocab_size
-        if vocabulary < MIN_BYTE_VOCABULARY:
+        if self.tokens is not None and self.tokens.vocab_size > vocabulary:
+            raise ValueError(
+                f"{self.source}: its tokenizer gives {self.tokens.vocab_size} ids, more than the model's "
+                f"vocabulary of {vocabulary}"
+            )
+        if self.tokens is None and vocabulary < MIN_BYTE_VOCABULARY:
             raise ValueError(
                 f"{self.source}: a vocabulary of {vocabulary} tokens cannot hold the corpus's bytes "
                 f"(at least {MIN_BYTE_VOCABULARY} are needed without a tokenizer)"
-            )
-        if config.balance != "layers":
-            raise ValueError(
-                f"--balance {config.balance} does not measure Hugging Face models yet: use --balance layers"
             )
         positions = getattr(self.hf_config, "max_position_embeddings", None)
         if positions is not None and config.seq_len > positions:
@@ -75,6 +88,17 @@ class HFTask(LanguageTask):
         inputs, _ = super().batch(step, size)
         return inputs, inputs
 
+    def bits_per_byte(self, loss: float) -> float:
+        """Nats per token as bits per byte of the text: tokens of several bytes each carry their bytes'."""
+        return bits_per_byte(loss / self.corpus.validation_bytes_per_token)
+
+    def baseline_bits_per_byte(self) -> float:
+        if self.tokens is None:
+            return super().baseline_bits_per_byte()
+        batch = self.config.batch_size
+        windows = self.bytes.validation_batches(batch, self.config.seq_len, max(1, self.config.eval_batches))
+        return bigram_bits_per_byte(self.bytes, windows)
+
     def model_name(self) -> str:
         kind = (self.hf_config.architectures or ["HF"])[0]
         return f"{kind} {self.layout.num_layers} layers"
@@ -86,4 +110,5 @@ class HFTask(LanguageTask):
             "seed": self.config.seed,
             "seq_len": self.config.seq_len,
             "corpus_sha256": self.corpus.sha256,
+            **({"tokenizer": str(self.tokens.directory)} if self.tokens is not None else {}),
         }

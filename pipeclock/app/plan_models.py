@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 
 from pipeclock.observe.profile import LayerCost
-from pipeclock.observe.rank_memory import Training
+from pipeclock.observe.rank_memory import Training, held_parameters
 from pipeclock.observe.sizes import format_bytes
 
-MODEL_BATCH_SIZES = {"mlp": 128, "gpt": 16, "params": 128}
+MODEL_BATCH_SIZES = {"mlp": 128, "gpt": 16, "hf": 16, "params": 128}
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class PlannedModel:
 
     @property
     def parameters(self) -> int:
-        return sum(layer.parameters for layer in self.layers)
+        return held_parameters(self.layers)  # the whole model: a tied matrix once
 
 
 def rough_layers(parameters: int, num_layers: int, samples: int) -> list[LayerCost]:
@@ -98,7 +98,9 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
     torch.set_num_threads(max(1, args.threads))
     batch = args.batch_size or MODEL_BATCH_SIZES[args.model]
     _at_least_one(batch, "--batch-size")
-    if args.model == "gpt":
+    if args.model == "hf":
+        spec = _hf_spec(args)
+    elif args.model == "gpt":
         layers = args.layers or 4
         config = GPTConfig(args.vocab, args.dim, layers, args.heads, args.seq_len)
         spec = gpt_spec(config)
@@ -109,6 +111,26 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
     measured = profile(spec, batch, dtype=args.dtype)  # the whole batch: scaled to each micro-batch size
     note = f"layers measured here on {args.threads} thread(s), batch {batch}"
     return PlannedModel(spec.name, measured, batch, "ms", note, time_scale=1e3)
+
+
+def _hf_spec(args: argparse.Namespace):
+    """A Hugging Face config's pieces (``--hf-config PATH``: a config.json or a directory holding one)."""
+    import warnings
+
+    from pipeclock.models import hf
+    from pipeclock.observe.model_specs import hf_spec
+
+    if not args.hf_config:
+        raise ValueError("--model hf needs --hf-config PATH (a config.json, or a directory holding one)")
+    if args.layers is not None:
+        raise ValueError("--layers does not apply to --model hf: the config says how many layers it has")
+    config = hf.config_of(args.hf_config)
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.seq_len > positions:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # attention dropout turned off: training warns, a plan need not
+        return hf_spec(config, args.seq_len)
 
 
 def describe_model(model: PlannedModel, training: Training, device: int, binary: bool) -> str:

@@ -86,9 +86,12 @@ class LanguageTask:
         """The order-1 byte model's bits per byte on the validation batches (what the GPT must beat)."""
         return bigram_bits_per_byte(self.corpus, self.validation)
 
-    @staticmethod
-    def readable(loss: float) -> str:
-        return f"{bits_per_byte(loss):.3f} bits/byte"
+    def bits_per_byte(self, loss: float) -> float:
+        """A validation loss (nats per token) as bits per byte of text: a byte is a token here."""
+        return bits_per_byte(loss)
+
+    def readable(self, loss: float) -> str:
+        return f"{self.bits_per_byte(loss):.3f} bits/byte"
 
 
 def make_task(config) -> RegressionTask | LanguageTask:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -403,8 +403,9 @@ def schedule_table(config: TrainConfig, world: int) -> Schedule:
 class Progress:
     """Rank 0's progress: a bar on a terminal, a line every tenth of the run otherwise."""
 
-    def __init__(self, steps: int, enabled: bool):
-        self.steps, self.enabled = steps, enabled
+    def __init__(self, steps: int, enabled: bool, per_byte: Callable[[float], float] = bits_per_byte):
+        """``per_byte``: a validation loss (nats per token) in bits per byte of the text."""
+        self.steps, self.enabled, self.per_byte = steps, enabled, per_byte
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -424,7 +425,7 @@ class Progress:
         if not self.enabled:
             return
         line = (
-            f"validation after {steps_done} steps: {loss:.4f} nats/token, {bits_per_byte(loss):.3f} bits/byte"
+            f"validation after {steps_done} steps: {loss:.4f} nats/token, {self.per_byte(loss):.3f} bits/byte"
         )
         if self.bar is not None:
             self.bar.write(line)

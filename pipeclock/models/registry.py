@@ -6,6 +6,8 @@ single process rebuilds the whole model, loads every stage's weights into it, an
 
 from __future__ import annotations
 
+import json
+
 from torch import nn
 
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
@@ -56,7 +58,27 @@ def hf_config(run: dict):
     return AutoConfig.for_model(**run["hf_config"])
 
 
+def run_tokens(run: dict):
+    """The tokenizer a run read its text with (a ``Tokens``), or None for bytes.
+
+    A checkpoint names the ``--hf-model`` directory whose tokenizer the run used; it must still be there.
+    """
+    directory = run.get("tokenizer")
+    if directory is None:
+        return None
+    from pipeclock.models.hf.tokens import Tokens, has_tokenizer
+
+    if not has_tokenizer(directory):
+        raise ValueError(
+            f"the run read its text with the tokenizer in {directory}, which is no longer there: "
+            "put that --hf-model directory back"
+        )
+    return Tokens(directory)
+
+
 def _comparable(config: dict) -> dict:
-    """An HF config without the fields that do not change the model (versions, dropout, dtype)."""
+    """An HF config without the fields that do not change the model (versions, dropout, dtype), as its
+    JSON reads it back (a saved ``id2label``'s keys are strings, a config's own are ints)."""
     ignore = {"transformers_version", "torch_dtype", "dtype", "resid_pdrop", "embd_pdrop", "dropout"}
-    return {key: value for key, value in config.items() if key not in ignore}
+    plain = json.loads(json.dumps(config, default=str))
+    return {key: value for key, value in plain.items() if key not in ignore}

@@ -6,19 +6,21 @@ dataset. Every machine that runs pipeclock already has one: the Python standard 
 file or folder instead. Since the default depends on the interpreter's version, ``summary()`` prints the
 corpus's size and SHA-256 so a run can say exactly what it trained on.
 
-Tokens are bytes (``ByteTokenizer``): no vocabulary file, and bits per byte is the natural score. The
+Tokens are bytes (``ByteTokenizer``): no vocabulary file, and bits per byte is the natural score. A
+model that comes with its own tokenizer reads the same text as its tokens (``TextCorpus.tokenized``). The
 score to beat is ``bigram_bits_per_byte``, a counted order-1 byte model: a GPT that cannot beat it has
 learnt nothing a table of byte pairs could not.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -65,6 +67,8 @@ class TextCorpus:
         if not data:
             raise CorpusError(f"corpus {description} is empty")
         self.data = _as_uint8(data)
+        self.unit = "bytes"  # what ``train`` and ``validation`` hold: bytes, or token ids (`tokenized`)
+        self.validation_bytes_per_token = 1.0  # turns nats per token into bits per byte
         self.description = description
         self.files = tuple(files)
         self.sha256 = hashlib.sha256(data).hexdigest()
@@ -123,6 +127,18 @@ class TextCorpus:
         description = f"Python {version} standard library ({_files(len(names))})"
         return cls(b"".join(parts), description, validation_fraction, files=names)
 
+    def tokenized(self, encode: Callable[[str], list[int]], name: str) -> TextCorpus:
+        """The same corpus as token ids: each split's text (UTF-8, bad bytes as U+FFFD) through
+        ``encode`` on its own, so no window crosses from train into validation. Batches are then windows
+        of tokens; the bytes, the SHA-256 and the description stay the text's."""
+        tokens = copy.copy(self)
+        tokens.train, tokens.validation = (
+            torch.tensor(encode(_text(split)), dtype=torch.int64) for split in (self.train, self.validation)
+        )
+        tokens.unit = f"{name} tokens"
+        tokens.validation_bytes_per_token = self.validation.numel() / max(1, tokens.validation.numel())
+        return tokens
+
     @property
     def num_bytes(self) -> int:
         return self.data.numel()
@@ -139,7 +155,8 @@ class TextCorpus:
             if split.numel() < seq_len + 1:
                 raise CorpusError(
                     f"corpus {self.description} ({self.num_bytes:,} bytes) is shorter than one sequence: "
-                    f"its {name} split has {split.numel():,} bytes, seq_len {seq_len} needs {seq_len + 1}"
+                    f"its {name} split has {split.numel():,} {self.unit}, seq_len {seq_len} needs "
+                    f"{seq_len + 1}"
                 )
 
     def batch(self, step: int, size: int, seq_len: int, seed: int = 0) -> Batch:
@@ -228,6 +245,10 @@ def _read_text_bytes(path: Path) -> bytes | None:
 
 def _files(count: int) -> str:
     return f"{count} file" if count == 1 else f"{count} files"
+
+
+def _text(data: torch.Tensor) -> str:
+    return bytes(data.numpy()).decode("utf-8", errors="replace")
 
 
 def _as_uint8(data: bytes) -> torch.Tensor:

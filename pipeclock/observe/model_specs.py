@@ -1,6 +1,6 @@
 """The models the profile knows, described so that it can build and feed them one layer at a time:
-the built-in MLP and GPT (``ModelSpec``). Only a layer or a few exist at once: the profile must not need
-the whole model, which may be too large for one process."""
+the built-in MLP and GPT, and a Hugging Face causal LM from its config (``ModelSpec``). Only a layer or
+a few exist at once: the profile must not need the whole model, which may be too large for one process."""
 
 from __future__ import annotations
 
@@ -69,4 +69,43 @@ def gpt_spec(config: GPTConfig) -> ModelSpec:
         layer_name=lambda i: piece_name(i, config),
         batch=batch,
         loss_fn=TokenCrossEntropy(),
+    )
+
+
+def hf_spec(config, seq_len: int, seed: int = 0) -> ModelSpec:
+    """A Hugging Face causal LM's pieces (``pipeclock.models.hf``): the embedding, each decoder layer, and
+    the head with the final norm, each built alone as a one-piece stage (on the meta device, then only the
+    piece given memory), fed token ids of ``seq_len`` and measured with HF's ``labels=`` loss.
+
+    A tied head built alone holds its own copy of the embedding's matrix, as a rank without the
+    embedding does; both are marked tied, so a rank holding both ends counts the matrix once.
+    """
+    from pipeclock.models import hf
+
+    config = hf.prepared_config(hf.config_of(config))
+    layout = hf.layout_of(config)
+    last = layout.num_pieces - 1
+
+    def build(i: int) -> nn.Module:
+        return hf.split(config, i, layout.num_pieces, seed=seed)
+
+    def name(i: int) -> str:
+        if i == 0:
+            return f"{layout.base}.{layout.input_embedding}"
+        return layout.head if i == last else f"{layout.base}.{layout.layers}.{i - 1}"
+
+    def batch(n: int) -> tuple:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, config.vocab_size, (n, seq_len), generator=generator)
+        return ids, ids  # the loss shifts: logits at t predict the token at t + 1
+
+    kind = (config.architectures or [config.model_type])[0]
+    return ModelSpec(
+        name=f"{kind} {layout.num_layers} layers x {config.hidden_size} (vocab {config.vocab_size:,})",
+        num_layers=layout.num_pieces,
+        build=build,
+        kind=lambda i: "embed" if i == 0 else ("head" if i == last else "layer"),
+        layer_name=name,
+        batch=batch,
+        loss_fn=hf.loss(),
     )

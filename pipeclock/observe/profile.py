@@ -38,6 +38,7 @@ from pipeclock.engine.backward import (
 from pipeclock.engine.memory import is_parameter_cast
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import apply_recompute
+from pipeclock.engine.ties import tie_key
 from pipeclock.observe.model_specs import ModelSpec
 
 ALIKE = 4  # layers of one kind timed in turn (at most): enough to leave the caches as a stage does
@@ -85,6 +86,9 @@ class LayerCost:
     # what W keeps when this layer is checkpointed: a module other than a Linear then keeps the input its
     # rebuild saw, to run again in W, where without recompute W goes back through the forward's graph
     weight_held_checkpointed: int | None = None
+    # (tie key, numbers) of each parameter tied to another layer's (``engine.ties``): a rank holding both
+    # layers holds that tensor once
+    tied: tuple[tuple[str, int], ...] = ()
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -211,6 +215,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
         kind="",
         samples=0,
         parameters=sum(p.numel() for p in layer.parameters()),
+        tied=tuple(sorted({(key, p.numel()) for p in layer.parameters() if (key := tie_key(p))})),
         forward=min(samples["F"]),
         backward=split_total if capture.split_pays and saves else whole,  # the engine's unsplit B
         input_grad=min(samples["I"]),

@@ -224,7 +224,7 @@ def rank_memory(
     for rank, actions in enumerate(table):
         virtual = placement.stages[rank]
         held_layers = [i for s in virtual for i in cut[s]]
-        parameters = sum(layers[i].parameters for i in held_layers)
+        parameters = held_parameters([layers[i] for i in held_layers])
         keeps_graph = any(_keeps_graph(layers, cut[s], training.recompute) for s in virtual)
         peak = activation_peak(actions, [stages[s] for s in virtual], keeps_graph)
         messages = max(_message_bytes(layers, cut, s, scale) for s in virtual)
@@ -244,6 +244,17 @@ def rank_memory(
             )
         )
     return result
+
+
+def held_parameters(layers: Sequence[LayerCost]) -> int:
+    """The parameters of ``layers`` held together: a tensor tied between two of them (a GPT's embedding
+    and head on one rank) is one tensor there, counted once."""
+    total, seen = sum(layer.parameters for layer in layers), set()
+    for layer in layers:
+        for key, numbers in layer.tied:
+            total -= numbers if key in seen else 0
+            seen.add(key)
+    return total
 
 
 def _keeps_graph(layers: Sequence[LayerCost], part: range, recompute: Recompute) -> bool:

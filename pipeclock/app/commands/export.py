@@ -108,15 +108,23 @@ def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
         )
         return 2
     from pipeclock.models.hf.export import save_pretrained
-    from pipeclock.models.registry import hf_config
+    from pipeclock.models.registry import hf_config, run_tokens
 
     try:
+        tokens = run_tokens(run_info)
+    except ValueError as error:
+        print(f"pipeclock export: error: {error}", file=sys.stderr)
+        return 2
+    try:
         save_pretrained(state, hf_config(run_info), output)
+        if tokens is not None:
+            tokens.save(output)
     except (OSError, RuntimeError) as error:
         print(f"pipeclock export: error: writing {output} failed: {_first_line(error)}", file=sys.stderr)
         return 1
+    tokenizer = f", and AutoTokenizer its tokenizer ({tokens.name})" if tokens is not None else ""
     print(
         f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {output}: "
-        f"AutoModelForCausalLM.from_pretrained({output!r}) loads it"
+        f"AutoModelForCausalLM.from_pretrained({output!r}) loads it{tokenizer}"
     )
     return 0

@@ -39,7 +39,8 @@ from pipeclock.app.decode_schedule import simulate
 from pipeclock.app.generation_model import StageModel
 from pipeclock.app.generation_pipeline import Outcome, Settings, StageRunner, split_groups
 from pipeclock.comm_errors import CommError
-from pipeclock.models.registry import describe
+from pipeclock.models.registry import describe, run_tokens
+from pipeclock.models.sampling import sample
 from pipeclock.observe.timeline import Timeline
 
 DEFAULT_PROMPT = "def "
@@ -109,6 +110,9 @@ def _interrupted(rank: int, code: int) -> int:
 def _run(args: argparse.Namespace) -> int:
     path = checkpoint_choice.resolve(args.directory)
     run_info = checkpoint_choice.read_run(path)
+    tokens = run_tokens(run_info)
+    if tokens is not None:
+        return _generate_in_tokens(args, path, run_info, tokens)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = StageModel.of(run_info, path, world)  # more ranks than pieces: one line, before any wait
     prompts = read_prompts(args, model.seq_len)
@@ -134,6 +138,33 @@ def _run(args: argparse.Namespace) -> int:
         printer.close()
     _report(outcome, args, world, groups, settings)
     return 0
+
+
+def _generate_in_tokens(args: argparse.Namespace, path, run_info: dict, tokens) -> int:
+    """A Hugging Face checkpoint trained in its tokenizer's tokens: the whole model on one process,
+    without a cache, prompt after prompt, ``--tokens`` tokens each, decoded by that tokenizer."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "a checkpoint trained in a tokenizer's tokens generates on one process: run generate without "
+            "torchrun (byte-level checkpoints generate across stages)"
+        )
+    model = checkpoint.load_model(path)[0]
+    seq_len = run_info["seq_len"]
+    print(f"# {describe(run_info)}, step {run_info['step']}, from {path}", file=sys.stderr, flush=True)
+    for index, prompt in enumerate(read_prompts(args, seq_len)):
+        ids = sample(model, torch.tensor(_as_tokens(tokens, prompt, seq_len)), args.tokens, seq_len,
+                     args.temperature, args.top_k, args.seed, prompt_index=index, cache=False)  # fmt: skip
+        text = tokens.decode(ids.tolist())
+        print(text if index == 0 and not args.prompts and len(args.prompt or []) < 2 else f"[{index}] {text}")
+    return 0
+
+
+def _as_tokens(tokens, prompt: list[int], seq_len: int) -> list[int]:
+    """A prompt's bytes as the run's tokens (bad UTF-8 as U+FFFD); it must fit the context too."""
+    ids = tokens.encode(bytes(prompt).decode("utf-8", errors="replace"))
+    if not ids or len(ids) > seq_len:
+        raise ValueError(f"a prompt is {len(ids)} tokens: the model's context holds 1 to {seq_len}")
+    return ids
 
 
 def read_prompts(args: argparse.Namespace, seq_len: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 python -m pipeclock plan --params 10e9 --device-memory 24GB --dtype fp32    # the course's question
 python -m pipeclock plan --model gpt --layers 8 --device-memory 512MB      # measured on this machine
+python -m pipeclock plan --model hf --hf-config config.json --device-memory 8GB   # a Hugging Face model
 
 For each schedule x stages x micro-batches x recompute, the plan computes every rank's memory (weights,
 gradients, optimizer state, activations at the schedule's peak, message buffers) and, where it fits,
@@ -58,20 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "like ShardedMLP; its step times are in forwards of one layer",
     )  # fmt: skip
     model.add_argument(
-        "--model", choices=("mlp", "gpt"), default="mlp", help="a built-in model, measured here"
-    )
+        "--model", choices=("mlp", "gpt", "hf"), default="mlp",
+        help="a built-in model, or a Hugging Face causal LM (--hf-config), measured here",
+    )  # fmt: skip
+    model.add_argument(
+        "--hf-config", metavar="PATH",
+        help="--model hf: a config.json, or a directory holding one (its sizes, random weights)",
+    )  # fmt: skip
     model.add_argument(
         "--layers", type=positive_int, help="Linear layers (default 16) or GPT blocks (default 4)"
     )
     model.add_argument("--hidden", type=positive_int, default=1024, help="the MLP's width")
     model.add_argument("--dim", type=positive_int, default=128, help="the GPT's width")
     model.add_argument("--heads", type=positive_int, default=4, help="the GPT's attention heads")
-    model.add_argument("--seq-len", type=positive_int, default=128, help="the GPT's tokens per sample")
+    model.add_argument(
+        "--seq-len", type=positive_int, default=128, help="the GPT's or HF model's tokens per sample"
+    )
     model.add_argument("--vocab", type=positive_int, default=256, help="the GPT's vocabulary (256: bytes)")
     model.add_argument(
         "--batch-size",
         type=positive_int,
-        help="samples per step (default 128 for mlp and --params, 16 for gpt)",
+        help="samples per step (default 128 for mlp and --params, 16 for gpt and hf)",
     )
     run = parser.add_argument_group("the training")
     run.add_argument(

@@ -17,6 +17,7 @@ restarted group can read the dead attempt's addresses from it and fail or hang i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -35,7 +36,7 @@ from pipeclock.app.arguments import (
     probability,
 )
 from pipeclock.app.checkpoint_choice import CheckpointError
-from pipeclock.app.tasks import LanguageTask
+from pipeclock.app.tasks import LanguageTask, make_task
 from pipeclock.app.train import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.engine.precision import DTYPES
@@ -264,7 +265,9 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
         print(_headline(config, world), flush=True)
         if _restarts_share_a_store():
             print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
-    progress = Progress(config.steps, enabled=boss)
+    text = functools.cache(lambda: make_task(config))  # reads a loss in bits per byte; built once needed
+    per_byte = (lambda loss: text().bits_per_byte(loss)) if config.model != "mlp" else bits_per_byte
+    progress = Progress(config.steps, enabled=boss, per_byte=per_byte)
 
     def on_step(step: int, loss: float) -> None:
         steps(step, loss)
@@ -282,7 +285,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
         return 0
     table = schedule_table(config, world // config.dp)
     if result.validation:
-        print("\n" + "\n".join(_validation_lines(result.validation, LanguageTask(config))))
+        print("\n" + "\n".join(_validation_lines(result.validation, text())))
     link = link_from(args)
     print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size, link)))
     if args.trace:
@@ -321,12 +324,12 @@ def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -
         f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}"
         for steps, loss in validation
     ]
-    baseline, final = task.baseline_bits_per_byte(), bits_per_byte(validation[-1][1])
+    baseline, final = task.baseline_bits_per_byte(), task.bits_per_byte(validation[-1][1])
     lines.append(f"  bigram byte model (order 1, fitted on the training split): {baseline:.3f} bits/byte")
     if final < baseline:
-        lines.append(f"  the GPT beats it by {baseline - final:.3f} bits/byte")
+        lines.append(f"  the model beats it by {baseline - final:.3f} bits/byte")
     else:
-        lines.append(f"  the GPT is {final - baseline:.3f} bits/byte behind it: train longer")
+        lines.append(f"  the model is {final - baseline:.3f} bits/byte behind it: train longer")
     return lines
 
 
