@@ -8,7 +8,9 @@ alternates with a step of the other, so a disturbance of the machine hits both; 
 and are not counted. A step's time is the slowest rank's. torch's stage is given the pieces behind a thin
 adapter (its stages call ``module(*args)``; pipeclock's pieces take the tuple ``(hidden, positions)``
 whole), its loss is the mean cross-entropy per micro-batch with ``scale_grads`` (equal micro-batches: the
-same batch mean), and ``return_outputs=False``.
+same batch mean), and ``return_outputs=False``. The GPT's head is tied to its embedding, one copy on each
+end: pipeclock sums the copies' gradients every step (``SUM_TIED``), and torch's side does the same after
+its step with one all-reduce, so that both engines train the same model.
 
 - ``1f1b`` against ``Schedule1F1B``;
 - ``zb-h1`` against ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's order).
@@ -68,6 +70,7 @@ def _engines(name: str, m: int):
     from torch.distributed import pipelining
 
     from pipeclock import comms, schedule
+    from pipeclock.engine.ties import tie_key
     from pipeclock.models.gpt import GPT, GPTConfig
 
     rank, world = comms.get_rank(), comms.get_world_size()
@@ -80,6 +83,7 @@ def _engines(name: str, m: int):
     kind = getattr(pipelining, SCHEDULES[name])
     multi = issubclass(kind, pipelining.schedules.PipelineScheduleMulti)
     theirs = kind([stage] if multi else stage, m, loss_fn=_mean_cross_entropy)
+    tied = [p for p in stage.submod.parameters() if tie_key(p) is not None]  # one copy on each of 2 ranks
     optimizers = [
         torch.optim.Adam(p, lr=3e-3) for p in (_params(ours), stage.submod.parameters(), _params(bare))
     ]
@@ -101,6 +105,8 @@ def _engines(name: str, m: int):
         losses: list[torch.Tensor] | None = [] if stage.is_last else None
         args = (ids,) if stage.is_first else ()
         theirs.step(*args, target=targets if stage.is_last else None, losses=losses, return_outputs=False)
+        for parameter in tied:  # the tie, summed as pipeclock sums it: the same model on both engines
+            torch.distributed.all_reduce(parameter.grad)
         optimizers[1].step()
         return statistics.fmean(float(x.detach()) for x in losses) if losses else None
 
