@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from benchmarks import load
 from pipeclock import comms
-from pipeclock.app.data import SyntheticRegression
 from pipeclock.engine.microbatch import loss_weights, split_microbatches
 from pipeclock.model import ShardedMLP
+from pipeclock.models.regression import SyntheticRegression
 
 
 def accumulate(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, m: int) -> None:

@@ -13,8 +13,8 @@ import torch
 from benchmarks import engines, summary
 from benchmarks.plan import Case
 from pipeclock import comms
-from pipeclock.app.data import SyntheticRegression
 from pipeclock.engine.placement import Placement
+from pipeclock.models.regression import SyntheticRegression
 
 LOSS_TOLERANCE = 1e-5  # relative
 GRAD_TOLERANCE = 1e-4  # largest gradient difference, relative to the largest gradient on the rank

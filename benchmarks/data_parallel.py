@@ -40,8 +40,8 @@ def _loopback_sent() -> int:
 def worker(dp: int, engine: str, batch: int, steps: int, output: Path) -> None:
     """Train under torchrun; rank 0 writes the run's figures to ``output``."""
     from pipeclock import comms
-    from pipeclock.app.train import TrainConfig, train
     from pipeclock.model import ShardedMLP
+    from pipeclock.training.loop import TrainConfig, train
 
     comms.init()
     world = comms.get_world_size()

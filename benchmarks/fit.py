@@ -40,7 +40,7 @@ MIB = 2**20
 
 def worker(steps: int, rounds: int) -> None:
     from pipeclock import comms
-    from pipeclock.app.train import TrainConfig, train
+    from pipeclock.training.loop import TrainConfig, train
 
     sent = {"bytes": 0}
     isend = comms.isend

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from pipeclock.app.decode_schedule import simulate
-from pipeclock.app.generation_pipeline import split_groups
+from pipeclock.generation.decode_program import simulate
+from pipeclock.generation.pipeline import split_groups
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 

@@ -58,11 +58,11 @@ from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.split import partition
-from pipeclock.observe.model_specs import gpt_spec, mlp_spec
-from pipeclock.observe.planner import cut_for, judge
-from pipeclock.observe.profile import profile
-from pipeclock.observe.rank_memory import Recompute, Training
 from pipeclock.observe.simulate import simulate
+from pipeclock.plan.model_specs import gpt_spec, mlp_spec
+from pipeclock.plan.planner import cut_for, judge
+from pipeclock.plan.profile import profile
+from pipeclock.plan.rank_memory import Recompute, Training
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev")
 MICROBATCHES = 8

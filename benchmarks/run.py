@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks import figures, plan, report
 from benchmarks.launch import ROOT, torchrun
 from benchmarks.results_model import Results, Run
-from pipeclock.app.arguments import positive_float, positive_int
+from pipeclock.cli.arguments import positive_float, positive_int
 
 PLANS = {
     "full": plan.full,

@@ -16,9 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeclock.app.data import SyntheticRegression
-from pipeclock.app.interrupts import run_as_script
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.model import full_mlp, parameter_bytes
+from pipeclock.models.regression import SyntheticRegression
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,9 +19,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pipeclock.app.data import SyntheticRegression
-from pipeclock.app.interrupts import run_as_script
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.model import full_mlp, split_sequential
+from pipeclock.models.regression import SyntheticRegression
 
 GB = 1e9
 

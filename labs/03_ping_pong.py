@@ -17,7 +17,7 @@ import time
 import torch
 
 from pipeclock import comms
-from pipeclock.app.interrupts import run_as_script
+from pipeclock.cli.interrupts import run_as_script
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 3` asks torchrun for
 SIZES = {"4 B": 1, "1 KiB": 256, "64 KiB": 16_384, "1 MiB": 262_144, "8 MiB": 2_097_152}

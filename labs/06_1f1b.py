@@ -26,12 +26,12 @@ from pathlib import Path
 from solutions.one_f_one_b import one_f_one_b_step
 
 from pipeclock import comms
-from pipeclock.app.interrupts import run_as_script
-from pipeclock.app.loop_beside import compare
-from pipeclock.app.train import TrainConfig, schedule_table, train
+from pipeclock.cli.interrupts import run_as_script
+from pipeclock.course.beside import compare
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import draw_activations_held, draw_runs, measured_ascii
+from pipeclock.training.loop import TrainConfig, schedule_table, train
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 6` asks torchrun for
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}

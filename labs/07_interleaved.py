@@ -25,9 +25,8 @@ from pathlib import Path
 from solutions.interleaved import interleaved_step
 
 from pipeclock import comms
-from pipeclock.app.interrupts import run_as_script
-from pipeclock.app.loop_beside import compare
-from pipeclock.app.train import TrainConfig, schedule_table, train
+from pipeclock.cli.interrupts import run_as_script
+from pipeclock.course.beside import compare
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import (
@@ -37,6 +36,7 @@ from pipeclock.observe.report import (
     messages_per_rank,
     side_by_side,
 )
+from pipeclock.training.loop import TrainConfig, schedule_table, train
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 7` asks torchrun for
 MIB = 2**20

@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock import comms
-from pipeclock.app.data import SyntheticRegression
-from pipeclock.app.interrupts import run_as_script
-from pipeclock.app.train import TrainConfig, schedule_table, train
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.model import ShardedMLP
+from pipeclock.models.regression import SyntheticRegression
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import draw_runs, measured_ascii, measured_costs, side_by_side
+from pipeclock.training.loop import TrainConfig, schedule_table, train
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 8` asks torchrun for
 SCHEDULES = {"1f1b": "1F1B", "zb-h1": "ZB-H1"}

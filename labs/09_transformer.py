@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeclock import comms, model, schedule
-from pipeclock.app.interrupts import run_as_script
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.engine.pytree import carries_gradient, describe, leaves
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.gpt import TIED_KEY

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock import comms
-from pipeclock.app.interrupts import run_as_script
-from pipeclock.app.tasks import make_task
-from pipeclock.app.train import TrainConfig, train
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.model import ShardedMLP
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import typical_step
+from pipeclock.training.loop import TrainConfig, train
+from pipeclock.training.task_choice import make_task
 
 PROCESSES = 4  # how many processes `python -m pipeclock lab 10` asks torchrun for
 MB = 1e6

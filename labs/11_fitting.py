@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock import comms
-from pipeclock.app.interrupts import run_as_script
-from pipeclock.app.train import TrainConfig, train
+from pipeclock.cli.interrupts import run_as_script
 from pipeclock.models.gpt import GPTConfig
-from pipeclock.observe.model_specs import gpt_spec
-from pipeclock.observe.planner import judge
-from pipeclock.observe.profile import profile
-from pipeclock.observe.rank_memory import Recompute, Training
+from pipeclock.plan.model_specs import gpt_spec
+from pipeclock.plan.planner import judge
+from pipeclock.plan.profile import profile
+from pipeclock.plan.rank_memory import Recompute, Training
+from pipeclock.training.loop import TrainConfig, train
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 11` asks torchrun for
 SCHEDULE = "1f1b"

@@ -9,11 +9,11 @@ import os
 import signal
 import sys
 
-from pipeclock.app import cli
+from pipeclock import cli
 
 
 def train_with_a_rank_that_dies(die_after: int, argv: list[str]) -> int:
-    import pipeclock.app.commands.train as command
+    import pipeclock.cli.commands.train as command
 
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     victim = first_attempt and os.environ.get("LOCAL_RANK") == "1"

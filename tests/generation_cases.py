@@ -11,9 +11,10 @@ import sys
 import torch
 
 from pipeclock import comms
-from pipeclock.app import checkpoint, checkpoint_choice
-from pipeclock.app.generation_model import StageModel
-from pipeclock.app.generation_pipeline import Settings, StageRunner, split_groups
+from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.checkpoints import save_load as checkpoint
+from pipeclock.generation.pipeline import Settings, StageRunner, split_groups
+from pipeclock.generation.stage_model import StageModel
 
 PROMPTS = [b"def ", b"ab\xff", b"import os\n"]
 TOKENS = 24  # past a 16-byte context: the window slides

@@ -24,12 +24,12 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from pipeclock import comms, schedule
-from pipeclock.app.checkpoint_choice import step_of
-from pipeclock.app.train import TrainConfig, train
+from pipeclock.checkpoints.choice import step_of
 from pipeclock.engine.actions import parse_schedule
 from pipeclock.engine.csv_schedule import save_csv
 from pipeclock.engine.orchestrator import StageError
 from pipeclock.observe.sizes import format_bytes
+from pipeclock.training.loop import TrainConfig, train
 from tests.distributed import free_port, run_ranks
 from tests.test_pipeline_failures import _bad_configurations
 

@@ -10,8 +10,8 @@ import torch
 
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
-from pipeclock.observe.model_specs import gpt_spec, mlp_spec
-from pipeclock.observe.profile import ALIKE, profile
+from pipeclock.plan.model_specs import gpt_spec, mlp_spec
+from pipeclock.plan.profile import ALIKE, profile
 
 
 def largest_stage(costs, cut) -> float:
@@ -99,7 +99,7 @@ def test_the_profile_of_a_gpt_names_its_pieces_and_a_checkpointed_block_keeps_on
 
 
 def _my_layers(rank, world, balance):
-    from pipeclock.app.train import TrainConfig, build_stage
+    from pipeclock.training.loop import TrainConfig, build_stage
 
     config = TrainConfig(hidden=32, layers=5, batch_size=8, steps=1, microbatches=2, balance=balance)
     return [sorted(int(i) for i in module.layers) for module in build_stage(config, rank, world)]
@@ -116,7 +116,7 @@ def test_every_rank_builds_its_share_of_one_cut_by_time_and_the_shares_cover_the
 
 
 def test_an_unknown_balance_is_one_clear_error():
-    from pipeclock.app.train import TrainConfig
+    from pipeclock.training.loop import TrainConfig
 
     with pytest.raises(ValueError, match="--balance must be one of layers, time, memory"):
         TrainConfig(balance="speed")

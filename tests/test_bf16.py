@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock import comms, schedule
-from pipeclock.app.train import TrainConfig, train
 from pipeclock.engine import step_ends
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.precision import parse_precision
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
+from pipeclock.training.loop import TrainConfig, train
 from tests.distributed import run_ok
 from tests.test_gpt_pipeline import PLACEMENT, SCHEDULE_CHUNKS
 

@@ -25,10 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeclock import comms
-from pipeclock.app import checkpoint, checkpoint_choice, cli
-from pipeclock.app.train import TrainConfig, train
+from pipeclock import cli, comms
+from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.model import ShardedMLP
+from pipeclock.training.loop import TrainConfig, train
 from tests.checkpoint_damage import damages, flip_a_byte, truncate
 from tests.distributed import run_ok, run_ranks
 from tests.jobs import Launch, losses_of

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeclock.app.arguments import DefaultsHelpFormatter, shows_default
-from pipeclock.app.cli import COMMANDS, build_parser, main
-from pipeclock.app.commands.train import StepsSeen
+from pipeclock.cli.arguments import DefaultsHelpFormatter, shows_default
+from pipeclock.cli.commands.train import StepsSeen
+from pipeclock.cli.dispatch import COMMANDS, build_parser, main
 from tests.jobs import signal_group_when
 
 ROOT = Path(__file__).resolve().parents[1]

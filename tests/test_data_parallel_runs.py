@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeclock.app import checkpoint
+from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential

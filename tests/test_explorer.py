@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeclock.app.cli import main
+from pipeclock.cli.dispatch import main
 from pipeclock.engine.generators import SCHEDULES, bubble_formula, chunks_of, generate, supports_chunks
 from pipeclock.observe.explorer import Grid, page, write_page
 from pipeclock.observe.simulate import simulate

@@ -326,7 +326,7 @@ def test_a_lost_peer_inside_a_library_collective_is_reported_like_any_other_lost
 
 NOTICED = """
 import os, signal, sys, time
-from pipeclock.app import stopping
+from pipeclock.cli import stopping
 stopping.report_before_stopping(rank=3, grace=float(sys.argv[1]))
 os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another rank died
 time.sleep(float(sys.argv[2]))  # until this rank's own wait fails

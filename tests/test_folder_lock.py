@@ -14,8 +14,8 @@ import re
 import signal
 from pathlib import Path
 
-from pipeclock.app import folder_lock
-from pipeclock.app.checkpoint_choice import damage
+from pipeclock.checkpoints import folder_lock
+from pipeclock.checkpoints.choice import damage
 from tests.jobs import Launch
 
 RACES = 20

@@ -16,15 +16,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pipeclock import comms
-from pipeclock.app import checkpoint, checkpoint_choice, cli
-from pipeclock.app.decode_schedule import decode_program, simulate
-from pipeclock.app.generation_pipeline import split_groups
-from pipeclock.app.train import TrainConfig, train
+from pipeclock import cli, comms
+from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.engine.program import check, describe
+from pipeclock.generation.decode_program import decode_program, simulate
+from pipeclock.generation.pipeline import split_groups
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.sampling import choose, sample, uniform_for
+from pipeclock.training.loop import TrainConfig, train
 from tests.distributed import run_ok
 from tests.generation_cases import CASES, PROMPTS, STOP, TOKENS, case_name, generate_cases, stop_for
 from tests.jobs import Launch

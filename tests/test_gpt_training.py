@@ -11,12 +11,14 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 
-from pipeclock.app import checkpoint, checkpoint_choice, cli
-from pipeclock.app.train import TrainConfig, train
+from pipeclock import cli
+from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.text import TextCorpus
+from pipeclock.training.loop import TrainConfig, train
 from tests.distributed import run_ok
 
 SMALL = dict(model="gpt", dim=32, layers=4, heads=2, seq_len=32, batch_size=7, microbatches=3, dropout=0.1)

@@ -115,8 +115,8 @@ def one_line_error(call) -> str:
 def test_what_cannot_be_split_is_one_clear_line(tmp_path):
     from transformers import BertConfig, T5Config, ViTConfig
 
-    from pipeclock.app.hf_task import HFTask
-    from pipeclock.app.train import TrainConfig
+    from pipeclock.training.hf_task import HFTask
+    from pipeclock.training.loop import TrainConfig
 
     assert "encoder-decoder" in one_line_error(lambda: hf.split(T5Config(), 0, 2))
     assert "not a causal language model" in one_line_error(lambda: hf.split(ViTConfig(), 0, 2))
@@ -141,9 +141,9 @@ def test_a_model_directorys_tokenizer_reads_the_corpus_and_generate_decodes_with
     copies it, and generate (greedy) continues a prompt as the exported model and tokenizer do."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeclock.app.cli import main
-    from pipeclock.app.hf_task import HFTask
-    from pipeclock.app.train import TrainConfig
+    from pipeclock.cli.dispatch import main
+    from pipeclock.training.hf_task import HFTask
+    from pipeclock.training.loop import TrainConfig
     from tests.hf_cases import model_with_tokenizer
 
     text = Path(json.__file__).read_text()
@@ -175,8 +175,8 @@ def test_a_model_directorys_tokenizer_reads_the_corpus_and_generate_decodes_with
 
 
 def test_a_tokenizer_with_more_ids_than_the_model_is_one_clear_line(tmp_path):
-    from pipeclock.app.hf_task import HFTask
-    from pipeclock.app.train import TrainConfig
+    from pipeclock.training.hf_task import HFTask
+    from pipeclock.training.loop import TrainConfig
     from tests.hf_cases import model_with_tokenizer
 
     model_with_tokenizer(tmp_path, "a few words to learn merges from")

@@ -29,7 +29,7 @@ import torch
 pytest.importorskip("transformers")
 
 from pipeclock import schedule
-from pipeclock.app.train import TrainConfig, train
+from pipeclock.training.loop import TrainConfig, train
 from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok, run_ranks
 from tests.hf_cases import (
@@ -253,8 +253,8 @@ def test_two_data_parallel_replicas_of_an_hf_pipeline_follow_the_one_rank_curve(
 def test_an_exported_checkpoint_loads_in_transformers_with_the_pipelines_validation_loss(launch):
     from transformers import AutoModelForCausalLM
 
-    from pipeclock.app.cli import main
-    from pipeclock.app.hf_task import HFTask
+    from pipeclock.cli.dispatch import main
+    from pipeclock.training.hf_task import HFTask
 
     validated = launch(2)[0]["validation"][-1][1]
     out = launch.workdir / "exported"
@@ -288,8 +288,8 @@ def test_batches_whose_length_changes_from_step_to_step_give_the_one_process_res
 @functools.cache
 def large_vocabulary_costs():
     """The pieces of `large_vocabulary_config` as the planner measures them, for the memory wall's batch."""
-    from pipeclock.observe.model_specs import hf_spec
-    from pipeclock.observe.profile import profile
+    from pipeclock.plan.model_specs import hf_spec
+    from pipeclock.plan.profile import profile
 
     torch.set_num_threads(1)
     spec = hf_spec(large_vocabulary_config(), WALL["tokens"])
@@ -299,7 +299,7 @@ def large_vocabulary_costs():
 def test_each_rank_of_a_four_stage_split_allocates_its_planned_share_never_the_whole_model(launch):
     """Build and two Adam steps of a Llama with a 32,000-token vocabulary: each rank's peak resident
     growth is within 15 % of the planner's figure for its stage, far below the whole model's."""
-    from pipeclock.observe.planner import judge
+    from pipeclock.plan.planner import judge
 
     grown = [ranks["wall"] for ranks in launch(4)]
     layers = large_vocabulary_costs()
@@ -316,7 +316,7 @@ def test_at_a_large_vocabulary_a_cut_by_time_or_memory_moves_layers_away_from_th
     """10 pieces on 4 stages: by count 3, 3, 2, 2, so the head's stage holds the slowest and largest piece
     and a layer, the embedding's stage the other large piece and two layers. By time the head stands
     alone (the embedding is a lookup: cheap); by memory both ends do, or nearly."""
-    from pipeclock.observe.planner import cut_for
+    from pipeclock.plan.planner import cut_for
 
     layers = large_vocabulary_costs()
     assert [len(part) for part in cut_for(layers, 4, "layers")] == [3, 3, 2, 2]

@@ -184,7 +184,7 @@ def test_lab8_zero_bubble_has_the_same_gradients_as_1f1b_and_a_smaller_formula_b
 
 
 def test_nproc_after_the_lab_number_goes_to_torchrun_not_to_the_lab(monkeypatch):
-    from pipeclock.app.commands.lab import command, find_lab, take_nproc
+    from pipeclock.cli.commands.lab import command, find_lab, take_nproc
 
     monkeypatch.chdir(LABS.parent)
     nproc, lab_args = take_nproc(["--steps", "3", "--nproc", "4", "--out", "x"])

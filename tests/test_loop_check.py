@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeclock.app.loop_check import Verdict, check
+from pipeclock.course.check import Verdict, check
 from pipeclock.engine.generators import bubble_formula
 from tests.commands import run_once
 

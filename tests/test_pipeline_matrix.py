@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock import schedule
-from pipeclock.app.train import TrainConfig, train
 from pipeclock.engine.backward import ParameterOutputs, in_place_saves_enough
 from pipeclock.model import ShardedMLP, split_sequential
+from pipeclock.training.loop import TrainConfig, train
 from tests.distributed import run_ok
 
 TOLERANCE = 1e-5
@@ -217,7 +217,7 @@ def twenty_steps(rank: int, p: int) -> dict[str, list[float]]:
 
 
 def one_process_losses(steps: int = 20) -> list[float]:
-    from pipeclock.app.data import SyntheticRegression
+    from pipeclock.models.regression import SyntheticRegression
 
     model, data = ShardedMLP(32, 16), SyntheticRegression(32)
     optimizer = torch.optim.Adam(model.parameters(), lr=TrainConfig().lr)

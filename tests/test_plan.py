@@ -9,14 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeclock.app.cli import main
-from pipeclock.app.plan_models import rough_layers
+from pipeclock.cli.dispatch import main
 from pipeclock.engine.actions import parse_schedule, placement_of
 from pipeclock.engine.generators import generate, gpipe, one_f_one_b
-from pipeclock.observe.model_specs import mlp_spec
-from pipeclock.observe.planner import cut_for, in_flight, judge, step_time
-from pipeclock.observe.profile import profile
-from pipeclock.observe.rank_memory import (
+from pipeclock.observe.simulate import Link
+from pipeclock.observe.sizes import parse_bytes
+from pipeclock.plan.model_layers import rough_layers
+from pipeclock.plan.model_specs import mlp_spec
+from pipeclock.plan.planner import cut_for, in_flight, judge, step_time
+from pipeclock.plan.profile import profile
+from pipeclock.plan.rank_memory import (
     Recompute,
     StageBytes,
     Training,
@@ -26,8 +28,6 @@ from pipeclock.observe.rank_memory import (
     unmetered_peak,
     working_peak,
 )
-from pipeclock.observe.simulate import Link
-from pipeclock.observe.sizes import parse_bytes
 from tests.distributed import run_ok
 
 MB_TENSOR = 16 * 1000 * 4  # one (16, 1000) fp32 activation
@@ -241,7 +241,7 @@ def test_an_hf_config_is_planned_each_rank_holding_the_parameters_its_split_hold
 
     from pipeclock.models import hf
     from pipeclock.models.split import partition
-    from pipeclock.observe.model_specs import hf_spec
+    from pipeclock.plan.model_specs import hf_spec
 
     config = GPT2Config(
         n_embd=16, n_layer=4, n_head=2, vocab_size=1000, n_positions=32, bos_token_id=0, eos_token_id=0
@@ -358,7 +358,7 @@ def _gpt_peaks(rank, world, m, batch):
 @pytest.mark.slow
 def test_recompute_and_bf16_lower_the_measured_peak_on_a_gpt_as_the_planner_predicts():
     from pipeclock.models.gpt import GPTConfig
-    from pipeclock.observe.model_specs import gpt_spec
+    from pipeclock.plan.model_specs import gpt_spec
 
     torch.set_num_threads(1)
     m, batch = 4, 8

@@ -58,10 +58,10 @@ def pipeclock_words(line: str) -> tuple[str, list[str]] | None:
 
 
 def parse(command: str, arguments: list[str]) -> argparse.Namespace:
-    from pipeclock.app import cli
+    from pipeclock.cli import dispatch
 
     parser = argparse.ArgumentParser(prog=f"pipeclock {command}", exit_on_error=False)
-    cli._command_module(command).add_arguments(parser)
+    dispatch._command_module(command).add_arguments(parser)
     return parser.parse_args(arguments)
 
 

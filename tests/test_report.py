@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 
-from pipeclock.app.train import TrainConfig, schedule_table
 from pipeclock.engine.generators import one_f_one_b
 from pipeclock.engine.orchestrator import StepRecord
 from pipeclock.observe.metrics import RankRun, RunReport
 from pipeclock.observe.report import median_step, predicted_timeline, runs_figure, summary_lines
 from pipeclock.observe.simulate import Link, simulate
 from pipeclock.observe.timeline import Span
+from pipeclock.training.loop import TrainConfig, schedule_table
 
 SCHEDULE = one_f_one_b(2, 4)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeclock.app.memory_fit import rank_parameters
-from pipeclock.app.run_checks import _who_has_what
-from pipeclock.app.tasks import RegressionTask
-from pipeclock.app.train import TrainConfig, unique_parameters
 from pipeclock.models.gpt import GPT, GPTConfig
+from pipeclock.plan.memory_fit import rank_parameters
+from pipeclock.training.checks import _who_has_what
+from pipeclock.training.loop import TrainConfig, unique_parameters
+from pipeclock.training.tasks import RegressionTask
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_ranks_that_disagree_are_grouped_by_value():
 
 
 def test_checkpoint_options_without_a_checkpoint_directory_name_the_flags_given():
-    from pipeclock.app.train import _check_checkpointing
+    from pipeclock.training.loop import _check_checkpointing
 
     with pytest.raises(ValueError) as refused:
         _check_checkpointing(TrainConfig(checkpoint_every=5, keep_last=2))

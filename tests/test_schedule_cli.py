@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipeclock.app.cli import main
+from pipeclock.cli.dispatch import main
 from pipeclock.engine.generators import SCHEDULES, one_f_one_b
 from pipeclock.observe.diagrams import ascii_diagram
 from pipeclock.observe.simulate import simulate

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeclock.app import folder_lock
-from pipeclock.app.arguments import check_output
-from pipeclock.app.cli import main
+from pipeclock.checkpoints import folder_lock
+from pipeclock.cli.arguments import check_output
+from pipeclock.cli.dispatch import main
 from pipeclock.engine.memory import ActivationMeter
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -89,7 +89,7 @@ dd if=/dev/zero of={tmp}/full/filler bs=4k count=8 2>/dev/null || true
 exec {python} -c '{code}' "$0"
 """
 _CHECKS = (
-    "import json, sys; from pipeclock.app.arguments import check_output\n"
+    "import json, sys; from pipeclock.cli.arguments import check_output\n"
     "out = []\n"
     "for path, option, folder in json.loads(sys.argv[1]):\n"
     "    try: check_output(path, option, folder); out.append(None)\n"

@@ -216,7 +216,7 @@ def test_a_schedule_file_that_cannot_run_is_refused_before_any_process_waits(row
 
 def train_three_ways(rank: int, p: int, csv_path: str, directory: str) -> dict[str, list[float]]:
     """The main job with zb-v by name, with the same schedule from a CSV file, and a V run resumed as 1F1B."""
-    from pipeclock.app.train import TrainConfig, train
+    from pipeclock.training.loop import TrainConfig, train
 
     small = dict(hidden=16, layers=8, batch_size=9, lr=1e-2)
     by_name = train(TrainConfig(schedule="zb-v", microbatches=4, steps=4, **small)).losses

@@ -1,1 +1,4 @@
-"""The engine: the Action IR, schedule generators, and the orchestrator that runs them on one rank."""
+"""The engine: the Action IR, schedule generators, the lowering to a program, and the runtime on one rank.
+
+May import: comms.
+"""

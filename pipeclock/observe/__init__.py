@@ -1,1 +1,4 @@
-"""Observing runs: the simulator, timelines, diagrams, metrics and reports."""
+"""Observing runs: the simulator of a program, timelines, diagrams, metrics and reports.
+
+May import: comms, engine, models.
+"""

@@ -8,6 +8,8 @@ pipe = schedule.Pipeline(replicas.chunks, "1f1b", 8, loss_fn,
                          group=mesh.get_group("pp"), replicas=replicas)
 loss = pipe.step(my_inputs, my_targets)               # this replica's shard of the global batch
 parallel.clip_grad_norm(pipe, 1.0)
+
+May import: comms, engine, models.
 """
 
 from pipeclock.parallel.clipping import clip_grad_norm, grad_norm

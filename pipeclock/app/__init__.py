@@ -1,1 +1,0 @@
-"""The application: training loop, checkpoints, data, and the command line."""

@@ -1,1 +1,0 @@
-"""The command-line commands, one module each (see pipeclock.app.cli)."""

@@ -1,0 +1,352 @@
+"""``torchrun --nproc-per-node N -m pipeclock train [...]``: the main job.
+
+The number of stages is the number of processes torchrun starts. Rank 0 prints the progress, then the
+run's measurements, and the last line is ``final loss <value> after <N> steps``. The outputs it names
+(``--png``, ``--trace``, ...) are checked before the first step, so a bad path costs no training; Ctrl-C
+(or the SIGTERM torchrun sends) ends each rank with one line, ``rank 1: interrupted at step 3``.
+
+With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
+sound checkpoint there (``--resume PATH``: another run's, or one checkpoint), so ``torchrun --max-restarts
+K ... --resume`` survives a rank that dies: the survivors fail fast (exit 1), torchrun restarts the group,
+and the run goes on from its last checkpoint. With torch 2.13, launch such a job with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun keeps one store for every attempt, and a
+restarted group can read the dead attempt's addresses from it and fail or hang in its first collective
+(pytorch/pytorch#135712).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from pipeclock import comm_blame, comms
+from pipeclock.checkpoints.choice import CheckpointError
+from pipeclock.cli import interrupts, stopping
+from pipeclock.cli.arguments import (
+    add_link_arguments,
+    check_output,
+    link_from,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
+from pipeclock.engine.generators import SCHEDULES
+from pipeclock.engine.precision import DTYPES
+from pipeclock.engine.recompute import POLICY_HELP
+from pipeclock.models.text import CorpusError, bits_per_byte
+from pipeclock.observe.report import draw_runs, summary_lines, write_trace
+from pipeclock.training.loop import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
+from pipeclock.training.task_choice import make_task
+from pipeclock.training.tasks import LanguageTask
+
+DESCRIPTION = (
+    "Train a ShardedMLP or a GPT with pipeline parallelism. Each process is one pipeline stage: "
+    "torchrun --nproc-per-node P -m pipeclock train runs P stages, or with --dp N, N replicas of P/N "
+    "stages each (P processes in all). Without torchrun it runs the whole model as one stage in one process."
+)
+# What can go wrong with a run's input, its peers or its files: one line each, no traceback.
+EXPECTED_ERRORS = (ValueError, OSError, comms.CommError, CheckpointError, CorpusError)
+# What a run writes, and where the command line names it: all checked before the first step.
+OUTPUTS = {"trace": "--trace", "png": "--png", "losses": "--losses", "checkpoint_dir": "--checkpoint-dir"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainConfig()
+    parser.add_argument(
+        "--model", default=defaults.model, choices=list(MODEL_DEFAULTS),
+        help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text; hf: a Hugging Face "
+        "causal LM (--hf-config or --hf-model) on real text (default: mlp)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hf-config", metavar="PATH",
+        help="--model hf: a Hugging Face config.json, or a directory holding one (random initial weights)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hf-model", metavar="DIR",
+        help="--model hf: a local from_pretrained directory (config.json and safetensors weights)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--schedule", default=defaults.schedule, choices=list(SCHEDULES), metavar="NAME",
+        help=f"the pipeline schedule: {', '.join(SCHEDULES)} (default {defaults.schedule}); the number of "
+        "stages is the number of processes torchrun starts (--nproc-per-node)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--balance", default=defaults.balance, choices=("layers", "time", "memory"),
+        help="where the model is cut: equal layer counts (default), or equal measured time (F + B) or "
+        "memory per stage, from a short profile of each layer on rank 0",
+    )  # fmt: skip
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        help="micro-batches per step (default 8, fewer if a replica's share of --batch-size is smaller; "
+        "or the --schedule-csv file's)",
+    )
+    parser.add_argument(
+        "--schedule-csv", metavar="FILE",
+        help="run the schedule in FILE (torch.distributed.pipelining's compute_only CSV) instead of "
+        "--schedule: its ranks, micro-batches and placement come from the file",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chunks", type=positive_int, default=None, help="model chunks per rank (default: 2 if interleaved)"
+    )
+    mlp, gpt = MODEL_DEFAULTS["mlp"], MODEL_DEFAULTS["gpt"]
+    parser.add_argument("--hidden", type=positive_int, default=defaults.hidden, help="the MLP's width")
+    parser.add_argument(
+        "--layers", type=positive_int,
+        help=f"the MLP's Linear layers (default {mlp['layers']}) or the GPT's blocks ({gpt['layers']})",
+    )  # fmt: skip
+    parser.add_argument("--dim", type=positive_int, default=defaults.dim, help="the GPT's width")
+    parser.add_argument(
+        "--heads", type=positive_int, default=defaults.heads, help="the GPT's attention heads"
+    )
+    parser.add_argument(
+        "--seq-len", type=positive_int, default=defaults.seq_len, help="the GPT's tokens per sample"
+    )
+    parser.add_argument("--dropout", type=probability, default=defaults.dropout, help="the GPT's dropout")
+    parser.add_argument(
+        "--data", metavar="PATH",
+        help="a text file or folder for the GPT (default: the Python standard library's own sources)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-every", type=non_negative_int, default=defaults.eval_every, metavar="N",
+        help="the GPT's validation loss every N steps, and after the last (0: only after the last)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-batches", type=positive_int, default=defaults.eval_batches, metavar="N",
+        help="held-out batches per validation",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-size", type=positive_int,
+        help=f"samples per step (default {mlp['batch_size']} for mlp, {gpt['batch_size']} for gpt)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        help=f"training steps (default {mlp['steps']} for mlp, {gpt['steps']} for gpt)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=positive_float,
+        help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=defaults.seed,
+        help="seeds the weights, the data and dropout (default 0)",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=defaults.timeout, help="seconds any blocking call may wait"
+    )
+    parser.add_argument(
+        "--dp", type=positive_int, default=defaults.dp, metavar="N",
+        help="data-parallel replicas of the pipeline: the processes form a (dp, pp) mesh, pp = processes / N "
+        "(default 1); each replica takes a contiguous shard of --batch-size, which stays the global batch",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data-parallel", default=defaults.data_parallel, choices=["fsdp", "ddp"],
+        help="what keeps the replicas in step: fsdp (FSDP2, parameters and optimizer state sharded over "
+        "the replicas; default) or ddp (full copies)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip-grad-norm", type=positive_float, metavar="X",
+        help="scale the gradients so that the whole model's norm (every stage, every replica, counted "
+        "once) is at most X, as clip_grad_norm_ on one process",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recompute", default=defaults.recompute, metavar="POLICY",
+        help=f"activation recompute: {POLICY_HELP}; full keeps only each chunk's input per micro-batch and "
+        "runs its forward again in the backward (same math, less memory, about one more forward)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default=defaults.dtype, choices=list(DTYPES),
+        help="fp32, or bf16: forwards under autocast, float32 weights, gradients and optimizer state, "
+        "bf16 messages between stages (faster only where the hardware has bf16: GPUs, CPUs with "
+        "AVX512-BF16 or AMX)",
+    )  # fmt: skip
+    parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
+    parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
+    add_link_arguments(parser.add_argument_group("what the prediction charges each message"))
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints in DIR (after the last step, at least)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", metavar="N", type=non_negative_int, default=defaults.checkpoint_every,
+        help="also save every N steps (default: only after the last step)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="PATH",
+        help="continue from the newest sound checkpoint in --checkpoint-dir (starts fresh, and says so, "
+        "when there is none; a damaged newer one is skipped, and named), or from the run directory or the "
+        "one step_NNNNNN checkpoint PATH names, with any number of stages. The model and --seed must be "
+        "the checkpoint's; this command's training flags (defaults included) win, each change printed. "
+        "With torchrun "
+        "--max-restarts, a restarted group goes on from the newest checkpoint",
+    )  # fmt: skip
+    parser.add_argument(
+        "--keep-last", metavar="N", type=int, default=defaults.keep_last,
+        help="after each save, delete all but the newest N sound checkpoints in --checkpoint-dir (never "
+        "the one just written, never a .partial save in progress; default: keep all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--losses", metavar="FILE",
+        help='write the loss of every step this run did as JSON: {"first_step": s, "losses": [...]}',
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    steps = StepsSeen()
+    try:
+        return _run_reporting_errors(args, steps)
+    except KeyboardInterrupt as interrupt:  # also one raised while an error was being reported
+        return _interrupted(interrupts.exit_code(interrupt), steps)
+    finally:
+        comms.shutdown()
+
+
+def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
+    try:
+        config = TrainConfig.from_args(args)
+        for name, option in OUTPUTS.items():
+            if getattr(args, name):
+                check_output(getattr(args, name), option, folder=name == "checkpoint_dir")
+        return _train_and_report(config, args, steps)
+    except Exception as error:
+        if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
+            return _interrupted(128 + interrupts.received(), steps)
+        comm_blame.leave_failure(_first_line(error))  # before this rank's connections close
+        if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
+            raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
+        print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
+        return 2 if isinstance(error, ValueError) else 1
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class StepsSeen:
+    """The step this rank is in, to say where an interruption found it: a rank still finishing a step
+    (its optimizer's update) when a faster peer has reported it is in that step, not the next."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None  # None: the steps have not begun
+
+    def begin(self, step: int) -> None:
+        self.current = step
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.current = step + 1
+
+    def where(self) -> str:
+        return "before the first step" if self.current is None else f"at step {self.current}"
+
+
+def _interrupted(code: int, steps: StepsSeen) -> int:
+    """One line per rank (``rank 1: interrupted at step 3``): every rank gets the signal, each says so."""
+    signum = code - 128
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+    print(f"rank {os.environ.get('RANK', '0')}: {how} {steps.where()}", file=sys.stderr, flush=True)
+    return code
+
+
+def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: StepsSeen) -> int:
+    rank, world = comms.init(timeout=config.timeout)
+    if world > 1 and stopping.under_torchrun():
+        stopping.report_before_stopping(rank, config.timeout)
+    boss = rank == 0
+    if boss and world % config.dp == 0:  # else train() refuses the layout, and the headline would be nonsense
+        print(_headline(config, world), flush=True)
+        if _restarts_share_a_store():
+            print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
+    text = functools.cache(lambda: make_task(config))  # reads a loss in bits per byte; built once needed
+    per_byte = (lambda loss: text().bits_per_byte(loss)) if config.model != "mlp" else bits_per_byte
+    progress = Progress(config.steps, enabled=boss, per_byte=per_byte)
+
+    def on_step(step: int, loss: float) -> None:
+        steps(step, loss)
+        progress(step, loss)
+
+    result = train(config, on_step=on_step, on_eval=progress.validation, on_begin=steps.begin)
+    progress.close()
+    if not boss:
+        return 0
+    if args.losses:
+        _write_losses(args.losses, result.first_step, result.losses)
+    if not result.losses:
+        print(f"nothing to train: the checkpoint is at step {result.first_step}, --steps is {config.steps}")
+        print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
+        return 0
+    table = schedule_table(config, world // config.dp)
+    if result.validation:
+        print("\n" + "\n".join(_validation_lines(result.validation, text())))
+    link = link_from(args)
+    print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size, link)))
+    if args.trace:
+        path = write_trace(result.report, args.trace)
+        print(f"\ntrace written to {path} (open it in chrome://tracing or https://ui.perfetto.dev)")
+    if args.png:
+        path = draw_runs([(config.schedule, result.report, table)], args.png, link=link)
+        print(f"timelines drawn to {path}")
+    print(f"final loss {result.final_loss:.6f} after {config.steps} steps", flush=True)
+    return 0
+
+
+def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
+    """Exact values (JSON keeps a float's every digit), so runs can be compared bit for bit."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"first_step": first_step, "losses": losses}) + "\n")
+
+
+_SHARED_STORE_WARNING = (
+    "pipeclock train: warning: torchrun keeps one store for every restart, so a restarted group can read "
+    "the dead attempt's addresses and fail or hang (pytorch/pytorch#135712); launch with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to restart safely"
+)
+
+
+def _restarts_share_a_store() -> bool:
+    """True under ``torchrun --max-restarts K`` (K > 0) with the store shared between attempts."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -> list[str]:
+    """The validation curve, and the bigram byte model's figure on the same held-out bytes beside it."""
+    lines = [f"validation ({len(task.validation)} held-out batches): " + task.corpus.summary()]
+    lines += [
+        f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}"
+        for steps, loss in validation
+    ]
+    baseline, final = task.baseline_bits_per_byte(), task.bits_per_byte(validation[-1][1])
+    lines.append(f"  bigram byte model (order 1, fitted on the training split): {baseline:.3f} bits/byte")
+    if final < baseline:
+        lines.append(f"  the model beats it by {baseline - final:.3f} bits/byte")
+    else:
+        lines.append(f"  the model is {final - baseline:.3f} bits/byte behind it: train longer")
+    return lines
+
+
+def _headline(config: TrainConfig, world: int) -> str:
+    chunks = config.chunks_per_rank()
+    per_mb = config.batch_size / config.microbatches
+    model = f"ShardedMLP {config.layers} x {config.hidden}"
+    if config.model == "gpt":
+        model = f"GPT {config.layers} blocks x {config.dim} ({config.heads} heads, seq {config.seq_len})"
+    if config.model == "hf":
+        model = f"HF {config.hf_config or config.hf_model} (seq {config.seq_len})"
+    replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
+    per_mb /= config.dp
+    fitting = f", {config.dtype}" if config.dtype != "fp32" else ""
+    fitting += f", recompute {config.recompute}" if config.recompute != "none" else ""
+    return (
+        f"pipeclock train: {config.schedule}, {world // config.dp} stage(s) x {chunks} chunk(s){replicas}, "
+        f"{config.microbatches} micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps{fitting}"
+    )

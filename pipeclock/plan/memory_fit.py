@@ -1,0 +1,136 @@
+"""Will this rank's part of the model fit? The planner's estimate, checked before anything is allocated.
+
+A model too large for the machine is otherwise found out by the kernel's out-of-memory killer, which
+ends a process without a word (or by a CUDA out-of-memory error deep inside a forward). So before
+building, each rank counts the parameters it will hold (from the model's shapes and the cut), and the
+planner (``pipeclock.plan.planner``) turns them into bytes: weights, gradients and Adam's state.
+For the MLP, whose layers the planner can describe without measuring them, it adds the activations and
+messages the schedule keeps in flight; for the GPT the estimate is the parameters' part, a floor. The
+run stops only when the estimate exceeds all the memory the rank could have, so an estimate a little
+off, or a machine busy for a while, never refuses a run that could fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import psutil
+import torch
+
+from pipeclock import comms
+from pipeclock.engine.actions import Schedule
+from pipeclock.models.gpt import GPTConfig
+from pipeclock.models.split import partition
+from pipeclock.observe.sizes import format_bytes
+from pipeclock.plan.model_layers import rough_layers
+from pipeclock.plan.rank_memory import Recompute, Training, rank_memory
+
+STATIC = "weights, gradients and Adam state"
+IN_FLIGHT = "activations and messages"
+VOCAB = GPTConfig.vocab_size  # the GPT reads bytes
+
+
+class ModelTooLargeError(ValueError):
+    """The planner's estimate for a rank is more than the memory that rank has."""
+
+
+def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
+    """The planner's bytes for ``pipeline_rank``'s part of the model under ``table``, by kind."""
+    if len(piece_parameters(config)) < table.placement.num_virtual:
+        return {}  # no cut exists: building the stage says why, in the model's own words
+    training = Training(config.dtype, "adam", Recompute.parse(config.recompute))
+    parameters = rank_parameters(config, table, pipeline_rank)
+    shared_by = config.dp if config.data_parallel == "fsdp" else 1  # FSDP2 shards them over the replicas
+    parts = {STATIC: math.ceil(parameters * training.bytes_per_parameter / shared_by)}
+    if config.model == "mlp":
+        parts[IN_FLIGHT] = _mlp_in_flight(config, table, pipeline_rank, training)
+    return parts
+
+
+def rank_parameters(config, table: Schedule, pipeline_rank: int) -> int:
+    """The parameters ``pipeline_rank`` will hold: its pieces of the model, cut by layer count.
+
+    Counted from the models' shapes, not by building them: even on the meta device, building a large
+    model costs seconds of PyTorch's own imports at every start.
+    """
+    pieces = piece_parameters(config)
+    cut = partition(len(pieces), table.placement.num_virtual)
+    held = sorted(i for stage in table.placement.stages[pipeline_rank] for i in cut[stage])
+    total = sum(pieces[i] for i in held)
+    if config.model == "gpt" and held[0] == 0 and held[-1] == len(pieces) - 1:
+        total -= VOCAB * config.dim  # the embedding and the head share one matrix on this rank
+    return total
+
+
+def piece_parameters(config) -> list[int]:
+    """Parameters of each piece: the MLP's Linear layers, or the GPT's embedding, blocks and head."""
+    if config.model == "mlp":
+        return [config.hidden**2 + config.hidden] * config.layers
+    dim, vocab = config.dim, VOCAB
+    block = 12 * dim**2 + 13 * dim  # two norms, qkv, the projection, the MLP's two Linears
+    return [vocab * dim, *[block] * config.layers, vocab * dim + 2 * dim]
+
+
+def _mlp_in_flight(config, table: Schedule, pipeline_rank: int, training: Training) -> int:
+    samples = math.ceil(config.batch_size / config.dp / config.microbatches)
+    layers = rough_layers(config.layers * config.hidden**2, config.layers, samples)
+    cut = partition(config.layers, table.placement.num_virtual)
+    memory = rank_memory(layers, cut, table, training)[pipeline_rank]
+    return memory.activations + memory.messages + memory.workspace
+
+
+def available(device: torch.device) -> tuple[int, str]:
+    """The most bytes this rank can have, and where that figure comes from.
+
+    The whole memory, not what is free now: a busy machine frees memory as other jobs end, so only a
+    run that could never fit is refused. On a GPU, the device's memory; on the CPU, the machine's (or
+    its cgroup's limit), shared by the ranks torchrun started on it.
+    """
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return total, f"the memory of {device}"
+    machine = psutil.virtual_memory().total
+    limit = _cgroup_limit()
+    if limit is not None:
+        machine = min(machine, limit)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return machine // local, f"this machine's {format_bytes(machine)} shared by {local} rank(s)"
+
+
+def _cgroup_limit() -> int | None:
+    """The cgroup v2 memory limit (a container's), or None without one."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return None
+    return int(limit) if limit.isdigit() else None
+
+
+def check_fits(config, table: Schedule, pipeline_rank: int, device: torch.device) -> None:
+    """``ModelTooLargeError`` on every rank when the estimate does not fit on one of them.
+
+    Each rank judges its own part against its own memory (nodes may differ), then all share the
+    verdicts, so no rank goes on to wait for a peer that stopped.
+    """
+    mine = _verdict(estimate(config, table, pipeline_rank), *available(device))
+    verdicts = comms.all_gather_object(mine, "agreeing that the model fits")
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            raise ModelTooLargeError(
+                f"rank {comms.get_rank()}: the model does not fit on rank {rank}: {verdict}"
+            )
+
+
+def _verdict(parts: dict[str, int], room: int, where: str) -> str | None:
+    total = sum(parts.values())
+    if total <= room:
+        return None
+    detail = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
+    floor = "" if IN_FLIGHT in parts else "at least "
+    return (
+        f"the planner estimates {floor}{format_bytes(total)} ({total:,} bytes) for its part ({detail}), "
+        f"but it has {format_bytes(room)} ({where}); use more stages (processes), a smaller model, or "
+        "--dp with fsdp (`python -m pipeclock plan` compares layouts)"
+    )

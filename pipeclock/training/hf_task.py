@@ -1,0 +1,114 @@
+"""``train --model hf``: a Hugging Face causal LM, unmodified, on the text corpus.
+
+The model comes from ``--hf-config PATH`` (a ``config.json`` or a directory holding one: random initial
+weights from ``--seed``) or ``--hf-model DIR`` (a local ``from_pretrained`` directory: its weights, each
+rank reading only its own tensors). Nothing is downloaded. The corpus is read in the tokens of DIR's own
+tokenizer when it has one, else as bytes, for which the model's vocabulary must have at least 256 entries.
+The loss is HF's ``labels=`` loss (the labels are the inputs, shifted inside the loss); validation is in
+bits per byte as for the GPT (nats per token over the validation text's bytes per token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from pipeclock.engine.placement import Placement
+from pipeclock.models.text import bigram_bits_per_byte, bits_per_byte
+from pipeclock.training.tasks import LanguageTask
+
+
+def hf_source(config) -> str:
+    """The path the run's model comes from: exactly one of ``--hf-config`` and ``--hf-model``."""
+    given = [path for path in (config.hf_config, config.hf_model) if path]
+    if len(given) != 1:
+        raise ValueError("--model hf needs one of --hf-config PATH (random weights) or --hf-model DIR")
+    path = Path(given[0])
+    if not path.exists():
+        raise ValueError(
+            f"{'--hf-config' if config.hf_config else '--hf-model'} {path}: no such file or directory"
+        )
+    return str(path)
+
+
+class HFTask(LanguageTask):
+    """A Hugging Face causal LM on a byte-level corpus (``--data``, or the standard library's sources)."""
+
+    def __init__(self, config):
+        from pipeclock.models import hf
+        from pipeclock.models.hf.tokens import Tokens, has_tokenizer
+
+        self.source = hf_source(config)
+        self.hf_config = hf.prepared_config(hf.config_of(self.source))
+        self.layout = hf.layout_of(self.hf_config)
+        given = config.hf_model and has_tokenizer(self.source)
+        self.tokens = Tokens(self.source) if given else None
+        self._check_fits(config)
+        super().__init__(config)
+        if self.tokens is not None:
+            self.bytes = self.corpus  # the bigram baseline reads the text as bytes
+            self.corpus = self.corpus.tokenized(self.tokens.encode, self.tokens.name)
+            self.corpus.check_fits(config.seq_len)
+            self.validation = self.corpus.validation_batches(
+                config.batch_size, config.seq_len, max(1, config.eval_batches)
+            )
+        self.loss_fn = hf.loss()
+        self.validation = [(inputs, inputs) for inputs, _ in self.validation]
+
+    def _check_fits(self, config) -> None:
+        from pipeclock.models.hf import MIN_BYTE_VOCABULARY
+
+        vocabulary = self.hf_config.vocab_size
+        if self.tokens is not None and self.tokens.vocab_size > vocabulary:
+            raise ValueError(
+                f"{self.source}: its tokenizer gives {self.tokens.vocab_size} ids, more than the model's "
+                f"vocabulary of {vocabulary}"
+            )
+        if self.tokens is None and vocabulary < MIN_BYTE_VOCABULARY:
+            raise ValueError(
+                f"{self.source}: a vocabulary of {vocabulary} tokens cannot hold the corpus's bytes "
+                f"(at least {MIN_BYTE_VOCABULARY} are needed without a tokenizer)"
+            )
+        positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if positions is not None and config.seq_len > positions:
+            raise ValueError(f"--seq-len {config.seq_len} is longer than the model's {positions} positions")
+
+    def build(self, rank: int, world: int, placement: Placement, cut=None) -> list[nn.Module]:
+        from pipeclock.models import hf
+
+        weights = self.source if self.config.hf_model else None
+        chunks = hf.split(
+            self.hf_config, rank, world, chunks=len(placement.stages[rank]), placement=placement,
+            balance=cut, seed=self.config.seed, weights=weights,
+        )  # fmt: skip
+        return chunks if isinstance(chunks, list) else [chunks]
+
+    def batch(self, step: int, size: int):
+        inputs, _ = super().batch(step, size)
+        return inputs, inputs
+
+    def bits_per_byte(self, loss: float) -> float:
+        """Nats per token as bits per byte of the text: tokens of several bytes each carry their bytes'."""
+        return bits_per_byte(loss / self.corpus.validation_bytes_per_token)
+
+    def baseline_bits_per_byte(self) -> float:
+        if self.tokens is None:
+            return super().baseline_bits_per_byte()
+        batch = self.config.batch_size
+        windows = self.bytes.validation_batches(batch, self.config.seq_len, max(1, self.config.eval_batches))
+        return bigram_bits_per_byte(self.bytes, windows)
+
+    def model_name(self) -> str:
+        kind = (self.hf_config.architectures or ["HF"])[0]
+        return f"{kind} {self.layout.num_layers} layers"
+
+    def run_info(self) -> dict:
+        return {
+            "model": "HF",
+            "hf_config": self.hf_config.to_dict(),
+            "seed": self.config.seed,
+            "seq_len": self.config.seq_len,
+            "corpus_sha256": self.corpus.sha256,
+            **({"tokenizer": str(self.tokens.directory)} if self.tokens is not None else {}),
+        }

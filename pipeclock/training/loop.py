@@ -1,0 +1,439 @@
+"""The main job: train a model with pipeline parallelism, one stage (or chunks) per rank.
+
+``--model mlp`` trains ``ShardedMLP`` on the synthetic regression, ``--model gpt`` the GPT on real text
+(``pipeclock.training.tasks``); with a language model the validation loss is measured every ``eval_every``
+steps with ``Pipeline.evaluate`` (forward only) and shown in bits per byte.
+
+Launched under torchrun, every rank runs ``train``; the number of stages is the number of processes.
+Rank 0 is the boss: it shows the progress and, at the end, the measurements of the whole run. The
+optimizer is per rank (each rank updates only the parameters it holds), which is all pipeline
+parallelism needs: no parameter lives on two ranks.
+
+With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
+step (``checkpoints.save_load``), and holds the directory for its whole life, so that no second run
+saves there meanwhile (``checkpoints.folder_lock``); with ``resume`` it continues from the newest sound
+checkpoint there (or the run or checkpoint ``resume`` names, ``checkpoints.resume``), whatever the
+number of stages that saved it. Since batch k depends only on (seed, k), a resumed run sees the data the
+uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from pipeclock import comms
+from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.checkpoints import folder_lock, resume
+from pipeclock.checkpoints import save_load as checkpoint
+from pipeclock.engine import faults
+from pipeclock.engine.actions import Schedule, join_first_stage_backwards, num_chunks, placement_of
+from pipeclock.engine.csv_schedule import load_csv
+from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
+from pipeclock.engine.orchestrator import Pipeline, StepRecord
+from pipeclock.models.text import bits_per_byte
+from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
+from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh, pp_rank, shard_of
+from pipeclock.plan.memory_fit import check_fits
+from pipeclock.training.balance import check_balance, stage_cut
+from pipeclock.training.checks import agree, check_loss, check_values, check_world, naming_the_rank
+from pipeclock.training.task_choice import make_task
+
+# Per model, the defaults of the fields left at None. The MLP is wide enough that each micro-batch's
+# compute dwarfs the cost of a message, so the measured bubble is the schedule's, yet a run takes about
+# 20 s on 2 CPU cores. The GPT learns visibly (validation well under the bigram baseline) in about two
+# minutes on 2 cores. The MLP's learning rate: at 1e-3 its 16 unnormalised layers overshoot (the loss
+# climbs at steps 8-14 and levels off near 0.085 after 60 steps, and any rounding, bf16's or a 0.1 %
+# change of rate, sends the run elsewhere); at 3e-4 the loss falls smoothly to 0.054, and bf16 ends 20
+# steps within 2 % of float32.
+MODEL_DEFAULTS = {
+    "mlp": {"layers": 16, "batch_size": 128, "steps": 60, "lr": 3e-4},
+    "gpt": {"layers": 4, "batch_size": 16, "steps": 600, "lr": 3e-3},
+    "hf": {"layers": 1, "batch_size": 16, "steps": 200, "lr": 1e-3},  # layers: the HF config's (unused)
+}
+
+
+@dataclass
+class TrainConfig:
+    model: str = "mlp"  # "mlp", "gpt" or "hf"
+    schedule: str = "1f1b"
+    schedule_csv: str | None = None  # a schedule from a file (torch's CSV): it replaces ``schedule``
+    microbatches: int | None = None  # None: 8, or the schedule file's
+    chunks: int | None = None  # None: 2 for interleaving schedules, else 1
+    hidden: int = 1024  # the MLP's width
+    layers: int | None = None  # the MLP's Linear layers, or the GPT's blocks
+    dim: int = 128  # the GPT's width
+    heads: int = 4
+    seq_len: int = 128
+    dropout: float = 0.0
+    data: str | None = None  # a text file or folder; None: the Python standard library's sources
+    eval_every: int = 50  # validation every N steps (and after the last); 0: only after the last
+    eval_batches: int = 4
+    batch_size: int | None = None
+    steps: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    timeout: float = 60.0
+    measure_memory: bool = True
+    recompute: str = "none"  # "none", "full" or "every-K": activation recompute per chunk
+    dtype: str = "fp32"  # "fp32", or "bf16": autocast compute and bf16 messages, float32 weights
+    checkpoint_dir: str | None = None  # None: no checkpoints
+    checkpoint_every: int = 0  # 0: only after the last step
+    resume: bool | str = False  # True: checkpoint_dir's newest sound one; a path: that run's, or that one
+    keep_last: int = 0  # after each save, keep only the newest N checkpoints; 0: keep every one
+    dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
+    data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
+    clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
+    balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
+    hf_config: str | None = None  # --model hf: a config.json (or its directory), random weights
+    hf_model: str | None = None  # --model hf: a local from_pretrained directory, its weights
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_DEFAULTS:
+            raise ValueError(f"unknown model {self.model!r}: use one of {', '.join(MODEL_DEFAULTS)}")
+        for name, value in MODEL_DEFAULTS[self.model].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        self._table = None
+        if self.schedule_csv:
+            self._table = load_csv(self.schedule_csv)
+            found = 1 + max(a.microbatch for row in self._table for a in row)
+            if self.microbatches not in (None, found):
+                raise ValueError(
+                    f"{self.schedule_csv} has {found} micro-batches, not --microbatches {self.microbatches}"
+                )
+            self.microbatches, self.schedule = found, Path(self.schedule_csv).name
+        if self.microbatches is None:  # 8, unless a replica's share of the batch is smaller
+            self.microbatches = min(8, max(1, self.batch_size // max(1, self.dp)))
+        check_values(self)
+        check_balance(self.balance)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
+        """The config a command line asks for: every field ``args`` carries, then ``overrides``.
+
+        A lab's parser has only some of the flags; the fields it lacks keep their defaults.
+        """
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
+
+    def chunks_per_rank(self) -> int:
+        if self._table is not None:
+            return num_chunks(self._table)
+        if self.chunks is not None:
+            return self.chunks
+        return chunks_of(self.schedule) or (2 if supports_chunks(get_schedule(self.schedule)) else 1)
+
+    def table(self, world: int) -> Schedule:
+        """Every rank's actions, with their placement: the file's, or the named schedule's."""
+        if self._table is not None:
+            if len(self._table) != world:
+                raise ValueError(
+                    f"{self.schedule_csv} is a schedule for {len(self._table)} ranks, not {world}"
+                )
+            return self._table
+        table = generate(self.schedule, world, self.microbatches, self.chunks_per_rank())
+        return table if isinstance(table, Schedule) else Schedule(table, placement_of(table))
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]
+    records: list[StepRecord]
+    report: RunReport | None  # on rank 0
+    modules: list[torch.nn.Module] = field(repr=False, default_factory=list)
+    first_step: int = 0  # losses[i] is step first_step + i; > 0 when resumed
+    resumed_loss: float | None = None  # the checkpoint's last loss, when resumed
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (steps done, loss), language models
+
+    @property
+    def final_loss(self) -> float | None:
+        """The loss of the run's last step, even when a resumed run had no step left to do."""
+        return self.losses[-1] if self.losses else self.resumed_loss
+
+
+def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[torch.nn.Module]:
+    """This rank's chunks of the model, on its device; nothing of the other ranks' layers is allocated.
+
+    Which virtual stages they are is the schedule's placement (the loop, a V, or a file's).
+    """
+    task = task or make_task(config)
+    placement = config.table(world).placement
+    cut = stage_cut(config, config.table(world))
+    return [part.to(comms.device()) for part in task.build(rank, world, placement, cut)]
+
+
+def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Every parameter once, even one that two chunks share (a tie on one rank)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for module in modules:
+        for parameter in module.parameters():
+            seen.setdefault(id(parameter), parameter)
+    return list(seen.values())
+
+
+def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> TrainResult:
+    """Run the steps up to ``config.steps``; ``on_step(step, loss)`` is called on every rank after each,
+    ``on_begin(step)`` before the first (the step a resumed run starts at).
+
+    For a language model ``on_eval(steps_done, loss)`` follows each validation (every ``eval_every``
+    steps and after the last). Before the first step the ranks agree on the configuration, and the
+    processes and (the planner's estimate) the memory are checked to fit it; a loss that is not a finite
+    number stops every rank at that step, before its optimizer step and any checkpoint of it.
+    """
+    comms.init(timeout=config.timeout)
+    faults.arm(comms.get_world_size())
+    agree(config)
+    _check_checkpointing(config)
+    with _holding_the_folder(config.checkpoint_dir):
+        return _train(config, on_step, on_eval, on_begin)
+
+
+def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
+    with naming_the_rank():
+        task = _checked_task(config)
+        pipe, modules, shard = _build_pipeline(config, task)
+    optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
+    resumed = _resume(config, task, modules, optimizer)
+    start = resumed.step if resumed else 0
+    if start >= config.steps:  # resumed from the run's last checkpoint: nothing left to do
+        return TrainResult([], [], None, modules, start, resumed.loss)
+    pipe.steps_done = start
+    if on_begin:
+        on_begin(start)
+    meter, gpu = ProcessMeter(), GpuUtilization()
+    losses, records, validation = [], [], []
+    for step in range(start, config.steps):
+        inputs, targets = task.batch(step, config.batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(pipe.step(inputs[shard], targets[shard]))
+        check_loss(losses[-1], step)
+        if config.clip_grad_norm is not None:
+            clip_grad_norm(pipe, config.clip_grad_norm)
+        optimizer.step()
+        records.append(pipe.last)
+        if on_step:
+            on_step(step, losses[-1])
+        if _evaluation_due(config, task, step + 1):
+            validation.append((step + 1, _validate(pipe, task, shard)))
+            if on_eval:
+                on_eval(*validation[-1])
+        if _checkpoint_due(config, step + 1):
+            position = checkpoint.Position(step + 1, losses[-1], step + 1)
+            _save(config, task, position, modules, optimizer)
+    report = gather_run(records, meter, gpu, chunks=len(modules))
+    result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
+    result.validation = validation
+    return result
+
+
+@contextmanager
+def _holding_the_folder(directory: str | None) -> Iterator[None]:
+    """The run's checkpoint folder locked by rank 0 for the run's life (``folder_lock``); every rank
+    refuses, in rank 0's words, when another run holds it."""
+    if not directory:
+        yield
+        return
+    held, refusal = None, None
+    if comms.get_rank() == 0:
+        try:
+            held = folder_lock.lock(directory)
+        except folder_lock.FolderInUseError as error:
+            refusal = str(error)
+        except OSError as error:  # rank 0 alone would fail: the others must hear it, not wait
+            refusal = f"--checkpoint-dir {directory}: cannot lock it ({error.strerror})"
+    refusal = comms.all_gather_object(refusal, f"locking --checkpoint-dir {directory}")[0]
+    try:
+        if refusal:
+            raise folder_lock.FolderInUseError(f"rank {comms.get_rank()}: {refusal}")
+        yield
+    finally:
+        if held is not None:
+            folder_lock.release(held)
+
+
+def _checked_task(config: TrainConfig):
+    """The task, once the run is known to fit the processes and (the planner's estimate) the memory."""
+    world = comms.get_world_size()
+    check_world(config, world)
+    task = make_task(config)
+    pp = world // config.dp
+    check_fits(config, config.table(pp), comms.get_rank() % pp, comms.device())
+    return task
+
+
+def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.Module], slice]:
+    """This rank's pipeline, the modules it holds (as built), and its replica's slice of each batch.
+
+    With ``dp`` > 1 the world is a (dp, pp) mesh: the pipeline runs on its "pp" group and FSDP2 or DDP
+    keeps the replicas in step over the "dp" group.
+    """
+    world = comms.get_world_size()
+    options = dict(measure_memory=config.measure_memory, recompute=config.recompute, dtype=config.dtype)
+    if config.dp == 1:
+        modules = build_stage(config, comms.get_rank(), world, task)
+        pipe = Pipeline(modules, config.table(world), config.microbatches, task.loss_fn, **options)
+        return pipe, modules, slice(None)
+    mesh = init_mesh(config.dp)
+    pp = world // config.dp
+    modules = build_stage(config, pp_rank(mesh), pp, task)
+    replicas = data_parallel(modules, mesh, config.data_parallel)
+    options |= dict(group=mesh.get_group("pp"), replicas=replicas)
+    pipe = Pipeline(replicas.chunks, config.table(pp), config.microbatches, task.loss_fn, **options)
+    shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
+    return pipe, replicas.modules, slice(shard.start, shard.stop)
+
+
+def _evaluation_due(config: TrainConfig, task, steps_done: int) -> bool:
+    if not task.validation:
+        return False
+    every = config.eval_every
+    return steps_done == config.steps or (every > 0 and steps_done % every == 0)
+
+
+def _validate(pipe: Pipeline, task, shard: slice) -> float:
+    """The mean loss over the task's held-out batches, forward only (each replica its shard)."""
+    losses = [pipe.evaluate(inputs[shard], targets[shard]) for inputs, targets in task.validation]
+    return sum(losses) / len(losses)
+
+
+CHECKPOINT_FLAGS = {
+    "--resume": "resume",
+    "--checkpoint-every": "checkpoint_every",
+    "--keep-last": "keep_last",
+}
+
+
+def _check_checkpointing(config: TrainConfig) -> None:
+    rank = comms.get_rank()
+    if config.checkpoint_every < 0:
+        raise ValueError(f"rank {rank}: --checkpoint-every must be >= 0, got {config.checkpoint_every}")
+    if config.keep_last < 0:
+        raise ValueError(
+            f"rank {rank}: --keep-last must be >= 0 (0 keeps every checkpoint), got {config.keep_last}"
+        )
+    given = [flag for flag, value in CHECKPOINT_FLAGS.items() if getattr(config, value)]
+    if given and not config.checkpoint_dir:
+        needs = "needs" if len(given) == 1 else "need"
+        raise ValueError(
+            f"rank {rank}: {' and '.join(given)} {needs} --checkpoint-dir (where the checkpoints go)"
+        )
+
+
+def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
+    if not config.checkpoint_dir:
+        return False
+    every = config.checkpoint_every
+    return steps_done == config.steps or (every > 0 and steps_done % every == 0)
+
+
+def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Position | None:
+    """Load the checkpoint ``--resume`` means; refuse to mix a fresh run with an old one.
+
+    The model must be the checkpoint's; the flags' training settings win, and each change is reported
+    (``pipeclock.checkpoints.resume``).
+    """
+    if not config.checkpoint_dir:
+        return None
+    if not config.resume:
+        found = checkpoint.agreed_newest(config.checkpoint_dir)
+        if found is not None:
+            raise ValueError(
+                f"rank {comms.get_rank()}: {config.checkpoint_dir} already holds checkpoints of a run "
+                f"(newest: {found.name}); resume it (--resume), or choose another directory"
+            )
+        return None
+    choice = resume.choose(config)
+    if choice.path is None:
+        _say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting fresh")
+        return None
+    for line in choice.skipped_lines():
+        _say(line)
+    found, saved = choice.path, checkpoint_choice.read_run(choice.path)
+    resume.check_same_model(found, saved, task.run_info())
+    resume.check_no_newer(config, found)
+    position = checkpoint.load(found, modules, optimizer)
+    resume.set_learning_rate(optimizer, config.lr)
+    before = _layout(saved["stages"], saved.get("replicas", 1))
+    now = _layout(comms.get_world_size() // config.dp, config.dp).removesuffix(" stage(s)")
+    _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
+    changed = resume.changes(saved, config)
+    if changed:
+        _say("resume: " + "; ".join(changed))
+    return position
+
+
+def _layout(stages: int, replicas: int) -> str:
+    return f"{stages} stage(s)" + (f" x {replicas} replicas" if replicas > 1 else "")
+
+
+def _save(config: TrainConfig, task, position: checkpoint.Position, modules, optimizer) -> None:
+    run = {
+        **task.run_info(),
+        "schedule": config.schedule,
+        "chunks": config.chunks_per_rank(),
+        "stages": comms.get_world_size() // config.dp,
+        "replicas": config.dp,
+        "settings": resume.settings_of(config),
+    }
+    path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)
+    _say(f"checkpoint saved: {path} (step {position.step})")
+    if config.keep_last and comms.get_rank() == 0:
+        removed = checkpoint_choice.prune(config.checkpoint_dir, config.keep_last, path)
+        if removed:
+            names = ", ".join(sorted(p.name for p in removed))
+            _say(f"--keep-last {config.keep_last}: removed {names}")
+
+
+def _say(message: str) -> None:
+    """Rank 0 speaks for the run."""
+    if comms.get_rank() == 0:
+        print(message, flush=True)
+
+
+def schedule_table(config: TrainConfig, world: int) -> Schedule:
+    """The whole pipeline's action lists as the engine runs them (for the predicted timeline)."""
+    return join_first_stage_backwards(config.table(world))
+
+
+class Progress:
+    """Rank 0's progress: a bar on a terminal, a line every tenth of the run otherwise."""
+
+    def __init__(self, steps: int, enabled: bool, per_byte: Callable[[float], float] = bits_per_byte):
+        """``per_byte``: a validation loss (nats per token) in bits per byte of the text."""
+        self.steps, self.enabled, self.per_byte = steps, enabled, per_byte
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
+
+    def __call__(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.update()
+        elif step % max(1, self.steps // 10) == 0 or step == self.steps - 1:
+            print(f"step {step:5d}  loss {loss:.6f}", flush=True)
+
+    def validation(self, steps_done: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        line = (
+            f"validation after {steps_done} steps: {loss:.4f} nats/token, {self.per_byte(loss):.3f} bits/byte"
+        )
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
