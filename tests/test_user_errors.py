@@ -200,3 +200,29 @@ def test_a_labs_wrong_argument_is_its_own_error_before_torchrun_starts(capfd):
     assert out == ""  # no "$ torchrun ..." line: nothing was launched
     assert err.strip().splitlines()[-1] == "03_ping_pong.py: error: unrecognized arguments: --bogus mine.py"
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [torch.nn.BatchNorm1d(4), torch.nn.LazyBatchNorm1d(), torch.nn.SyncBatchNorm(4)],
+    ids=["BatchNorm1d", "LazyBatchNorm1d", "SyncBatchNorm"],
+)
+def test_every_kind_of_batch_norm_in_a_stage_is_warned_about(norm):
+    from pipeclock import schedule
+
+    with pytest.warns(UserWarning, match="holds a BatchNorm"):
+        schedule.Pipeline(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), norm), "1f1b", 2, torch.nn.functional.mse_loss
+        )
+
+
+def test_a_layer_norm_in_a_stage_is_not_warned_about(recwarn):
+    from pipeclock import schedule
+
+    schedule.Pipeline(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)),
+        "1f1b",
+        2,
+        torch.nn.functional.mse_loss,
+    )
+    assert not [w for w in recwarn if "BatchNorm" in str(w.message)]

@@ -1,37 +1,12 @@
 """Backward in two halves: B (the input's gradient) and W (the weights' gradients).
 
-A stage's backward computes two things: the gradient of its input, which the previous stage waits for,
-and the gradients of its weights, which nobody needs before the optimizer step. Zero-bubble schedules
-run B at once and defer W into time that would otherwise be idle; the other schedules run W right after
-B. Either way the work is the same, done in two calls:
-
-- During the forward, hooks capture the input and output of every module that holds parameters
-  directly (each ``nn.Linear``, ``nn.LayerNorm`` ...).
-- ``B`` asks autograd for the gradients of the stage input and of those outputs. Autograd then computes
-  no weight gradient at all.
-- ``W`` turns each captured output's gradient into its module's weight gradients. For ``nn.Linear``
-  that is one matrix product accumulated straight into ``.grad`` (``grad.addmm_(g.T, x)``): no temporary
-  gradient written and then added, which on a CPU saves a full pass over every weight matrix per
-  micro-batch. Other modules back-propagate through autograd, only as far as their own parameters.
-
-When every captured module is an ``nn.Linear``, W needs only each layer's input and output gradient, so
-B lets autograd free the graph; otherwise the graph is kept until W.
-
-A backward that W follows at once (GPipe, 1F1B) is split only where that pays: every parameter-holding
-module is an ``nn.Linear`` and the weights are large enough (``in_place_pays``). Otherwise it is one
-autograd call, and no forward hook is registered at all: a hooked module's call costs Python on every
-forward, which at small widths is most of what a schedule that never defers W would spend on it.
-
-Inside a checkpointed block (``pipeclock.engine.recompute``) the forward keeps no activation, so the
-hooks keep none either: only the autograd edge where the module's output gradient will arrive. B's
-autograd call rebuilds the block once; meanwhile the hooks collect the rebuilt inputs of its modules.
-W then needs no autograd graph of the block: a Linear's gradient is the same matrix product, and any
-other module (a LayerNorm) runs once more on its own rebuilt input, under its forward's dropout key and
-autocast, to back-propagate to its parameters. So a block is rebuilt once per micro-batch, not once per
-autograd call.
-
-Under autocast (bf16) a Linear's weight gradient is computed as autograd computes it: the product in
-the compute dtype, added to the float32 ``.grad``.
+Zero-bubble schedules run B at once (the previous stage waits for it) and defer W into idle time. Hooks
+capture the input and output of every module that holds parameters directly; ``B`` asks autograd only
+for the stage input's and those outputs' gradients; ``W`` turns each output gradient into its module's
+weight gradients (one ``addmm_`` into ``.grad`` for an ``nn.Linear``, autograd for the rest). A backward
+that W follows at once is split only where that pays (``in_place_pays``), else it is one autograd call
+with no hook. Inside a checkpointed block a block is rebuilt once per micro-batch, not once per call;
+under autocast a weight gradient is computed as autograd would. Why, in detail: docs/engine.md.
 """
 
 from __future__ import annotations

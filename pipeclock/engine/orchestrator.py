@@ -370,9 +370,20 @@ def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
+BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+)
+
+
 def _warn_about_batch_norm(rank: int, chunks: list[nn.Module]) -> None:
     """BatchNorm's statistics are per micro-batch, by nature: the one place a pipeline changes the math."""
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for chunk in chunks for m in chunk.modules()):
+    if any(isinstance(m, BATCH_NORMS) for chunk in chunks for m in chunk.modules()):
         warnings.warn(
             f"rank {rank}: this stage holds a BatchNorm, which normalises over each micro-batch, not the "
             "whole batch: its results depend on the number of micro-batches (LayerNorm does not)",

@@ -1,30 +1,12 @@
 """Mixed precision: bf16 compute and bf16 messages, float32 everything that accumulates.
 
-``--dtype bf16`` runs each chunk's forward under ``torch.autocast``: matrix products take bf16 inputs
-(and so does their backward), while the parameters stay float32, as do their gradients (autograd casts
-each weight's bf16 gradient back before adding it to ``.grad``) and the optimizer's state. So the small
-updates that training adds step after step are not rounded away, which is what float32 master weights are
-for. bf16 keeps float32's exponent range, so no loss scaling is needed (float16 would need it).
-
-Autocast casts each weight to bf16 when a forward first uses it and caches the copy until the outermost
-autocast region closes. Each forward is its own region, so ``step_region`` holds one (disabled) region
-open around the whole step: a weight is cast once per step, not once per micro-batch, and all the
-micro-batches in flight share one bf16 copy (half the float32 parameters' bytes) instead of each keeping
-its own for its backward. That copy is the model in the compute dtype: the activation meter counts it
-with the parameters, not with the activations.
-
-The loss is computed in float32 from the last chunk's output. What travels between stages, activations
-forward and gradients back, travels in bf16: half the bytes of float32, and is widened on arrival to
-the dtype it was sent from. So a transformer's residual stream, float32 under autocast, stays float32
-on the next stage as on one process, rounded once at the cut, rather than being added to in bf16 there.
-
-bf16 is not free of cost in accuracy, here as on one process: see docs/benchmarks.md for the measured
-loss curves of the main job's models against float32.
-
-bf16 is faster where the hardware multiplies bf16 natively (GPUs since Ampere; CPUs with AVX512-BF16 or
-AMX, Intel Cooper Lake and Sapphire Rapids on: ``lscpu | grep -o 'avx512_bf16\\|amx_bf16'`` says) and
-the products are large enough to be bound by arithmetic, not by reading the weights. Elsewhere autocast
-only adds conversions and runs slower than float32.
+``--dtype bf16`` runs each chunk's forward under ``torch.autocast``; parameters, their gradients and the
+optimizer's state stay float32 (no loss scaling: bf16 has float32's exponent range). ``step_region`` holds
+one autocast region open around the whole step, so a weight is cast once per step and the micro-batches
+in flight share one bf16 copy. The loss is computed in float32. Messages between stages travel in bf16
+and are widened on arrival to the dtype they were sent from, so a float32 residual stream is rounded
+once at the cut, as on one process. Why, when it is faster, and what it costs in accuracy:
+docs/engine.md and docs/benchmarks.md.
 """
 
 from __future__ import annotations

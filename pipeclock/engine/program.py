@@ -1,26 +1,13 @@
 """The step as a program: a schedule lowered to each rank's ordered list of instructions.
 
-A schedule says what each rank computes (``F``, ``B``, ``I``, ``W``) and where each virtual stage
-lives. ``lower`` adds what the step exchanges, in torch's words where torch has them:
-
-- ``RECV_F`` / ``RECV_B`` *post* the receive of a stage's input activation / output gradient; the
-  compute that uses the data waits for it there, not at the ``RECV``;
-- ``SEND_F`` / ``SEND_B`` send a stage's output forward / its input's gradient back, right after the
-  compute that made it (a send never blocks the sender);
-- ``REDUCE_GRAD`` sums a stage's gradients over the data-parallel replicas, after its last backward
-  (only when replicas exist);
-- and four words of our own, for what a step does once: ``SIZES`` (this rank's batch sizes and the
-  inputs' shape key leave, the others' receives are posted), ``AGREE`` (the ends' sizes read and
-  checked: a bad batch is refused there, on every rank, before any activation leaves), ``SUM_TIED``
-  (tied weights' gradients summed across stages) and ``LOSS`` (the last stage's loss reaches every
-  rank, last).
-
-Lowering choices, visible in the program: a rank posts a receive just before the compute that uses it
-(one compute earlier measured no gain: ``docs/benchmarks.md``); the rank holding stage 0 (not the last,
-without replicas) runs its first forward while the sizes travel, and agrees before its first send; a
-pair sends after both halves; two stages on one rank hand over in memory, with no message.
-``simulate_program`` runs the same lists with costs for compute and messages; ``check`` refuses a
-program whose messages do not match.
+``lower`` adds to a schedule's compute (``F``, ``B``, ``I``, ``W``) what the step exchanges, in torch's
+words: ``RECV_F``/``RECV_B`` post a receive (the compute that uses it waits), ``SEND_F``/``SEND_B`` send
+right after the compute that made the data, ``REDUCE_GRAD`` sums a stage over replicas; and four words of
+its own for what a step does once: ``SIZES``, ``AGREE`` (a bad batch refused on every rank before any
+activation leaves), ``SUM_TIED`` and ``LOSS``. Lowering choices (when a receive is posted, where
+``AGREE`` goes, two stages on one rank handing over in memory) are visible in the program.
+``simulate_program`` runs the same lists with costs; ``check`` refuses messages that do not match.
+Why, in detail: docs/engine.md.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# torch 2.13 has no public pytree module (torch.utils.pytree is not there yet): this one is torch's own.
 import torch.utils._pytree as pytree
 
 HEADER_BYTES = 4096  # one header per (stage, micro-batch size): the structure and every leaf's shape

@@ -1,32 +1,13 @@
 """Activation recompute: keep a block's input, not its insides, and run the block again in the backward.
 
-Between a micro-batch's forward and its backward, autograd keeps every tensor the backward will need:
-for a transformer block, a dozen tensors per token. A checkpointed block keeps only its input; when the
-backward reaches it, ``torch.utils.checkpoint`` (non-reentrant) runs the block's forward once more to
-rebuild what was dropped. Memory falls, compute grows by at most one forward per checkpointed block.
-
-Policies (``--recompute``), applied to each chunk of a stage:
-
-- ``none``: keep everything (the default);
-- ``full``: the whole chunk is one checkpoint, so a stage keeps only its inputs per micro-batch, GPipe's
-  re-materialisation; the backward then rebuilds one micro-batch's activations of the whole chunk at a
-  time;
-- ``every-K``: every K-th block of the chunk is checkpointed (``every-1``: each block). The blocks are a
-  ``Sequential``'s children (the GPT's ``embed``, ``h0`` ..., ``head``), or the entries of the chunk's
-  one ``ModuleList``/``ModuleDict`` (``ShardedMLP``'s layers). An MLP layer already keeps only its input
-  (its ReLU's output is the next layer's input), so per-layer checkpoints save nothing there: use
-  ``full``.
-
-The math does not change. The rebuilt forward sees the same inputs, the same autocast state and the same
-dropout masks: ``KeyedDropout`` reads its (step, sample) key from ``rng.keyed``, which is long closed
-when the backward runs, so each checkpoint remembers the key of its forward and re-enters it. A
-checkpointed module keeps its name and its parameters (only its ``forward`` is wrapped), so state
-dicts, ties and optimizers do not notice.
-
-A split backward (``I`` then ``W``) must not rebuild a block once per autograd call. ``backward.py``
-keeps, for the modules inside a checkpoint, only the autograd edge of their output (no tensor) in the
-forward, collects their inputs while ``I`` rebuilds the block, and computes ``W`` from those: one
-recompute per block per micro-batch, whatever the schedule.
+Policies (``--recompute``), applied to each chunk of a stage: ``none`` (the default), ``full`` (the
+whole chunk one checkpoint: only its inputs kept per micro-batch) and ``every-K`` (every K-th block of the
+chunk, the blocks being a ``Sequential``'s children or the chunk's one ``ModuleList``/``ModuleDict``).
+Built on ``torch.utils.checkpoint`` (non-reentrant). The math does not change: the rebuilt forward sees
+the same inputs, autocast state and dropout keys (each checkpoint re-enters its forward's key). A
+checkpointed module keeps its name and parameters, so state dicts, ties and optimizers do not notice.
+With a split backward a block is still rebuilt once per micro-batch (``backward.py``). Why, in detail:
+docs/engine.md.
 """
 
 from __future__ import annotations
@@ -39,7 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import (  # torch 2.13 has no public pytree module; engine/pytree.py says so
+    TreeSpec,
+    tree_flatten,
+    tree_unflatten,
+)
 from torch.utils.checkpoint import checkpoint
 
 from pipeclock.engine import rng
