@@ -100,7 +100,7 @@ def _config(schedule: str, pp: int, m: int, chunks: int) -> Config:
 
 CASES = [
     (name, pp, m, 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1)
-    for name, (pp, m) in itertools.product(SCHEDULES, [(2, 3), (4, 8), (4, 5)])
+    for name, (pp, m) in itertools.product(SCHEDULES, [(2, 3), (4, 8), (4, 5), (4, 2), (3, 7)])
 ]
 
 

@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return _print_json(result, fixed)
     print("\n".join(report.header(model, cluster, job, software)))
     print(
-        f"  searched {result.considered:,} configurations in {seconds:.2g} s: {result.fitting:,} fit in "
-        f"{report.format_bytes(cluster.kind.memory, binary=True)}, {result.simulated} simulated"
+        f"  searched {result.considered:,} configurations in {seconds:.2g} s: judged the {result.judged:,} "
+        f"that could win, {result.fitting:,} fit in {report.format_bytes(cluster.kind.memory, binary=True)}"
     )
     if not result.ranked:
         print("\n".join(["", *report.nothing_fits(result, model, cluster, software)]))

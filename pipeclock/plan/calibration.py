@@ -12,11 +12,11 @@ from __future__ import annotations
 H100_GEMM_EFFICIENCY = 0.582
 GEMM_EFFICIENCY = H100_GEMM_EFFICIENCY
 # The attention kernel's speed (flash-style, causal: only the unmasked half) as a share of the products'.
-ATTENTION_SHARE = 0.569
+ATTENTION_SHARE = 0.552
 # Elementwise work (norms, activation functions, residuals, rotary), in bytes moved through memory per
 # byte a layer keeps for its backward: eager PyTorch runs each operation alone, fused kernels (or
 # torch.compile) run a few. The backward moves twice the forward's.
-ELEMENTWISE_PASSES = {"eager": 2.31, "fused": 0.714}
+ELEMENTWISE_PASSES = {"eager": 2.24, "fused": 0.689}
 # float8 products' share of the fp8 peak, as a share of what bf16 products reach of theirs (the scaling
 # and casts around each product included).
 FP8_SHARE = 0.749
@@ -27,5 +27,5 @@ COLLECTIVE_LATENCY = 20e-6  # seconds
 TP_OVERLAP_HIDDEN = 0.7
 # Memory the allocator reserves beyond what is allocated, as a share of it, and what every GPU holds
 # whatever the model (CUDA context, the collectives' buffers, library workspaces).
-ALLOCATOR_SLACK = 0.175
+ALLOCATOR_SLACK = 0.094
 RUNTIME_BYTES = 2 * 2**30

@@ -61,7 +61,12 @@ class GpuMemory:
 def stage_layers(model: PaperModel, config: Config) -> list[range]:
     """The layers of each virtual stage: the blocks cut evenly (`partition`); the embedding rides with
     the first stage and the head with the last."""
-    return partition(model.layers, config.pp * config.chunks)
+    return _cut(model.layers, config.pp * config.chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut(layers: int, stages: int) -> list[range]:
+    return partition(layers, stages)
 
 
 @functools.lru_cache(maxsize=1024)

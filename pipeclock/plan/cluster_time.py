@@ -72,6 +72,7 @@ class Rates:
         self.memory = gpu.memory_bandwidth
         self.a = software.activation_bytes
         self.gpu = gpu
+        self.per_layer: dict[tuple, tuple] = {}  # a search asks for the same layer's costs often
 
 
 def layer_time(model: PaperModel, config: Config, job: Job, software: Software, rates: Rates) -> LayerTime:
@@ -128,10 +129,21 @@ def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Sof
 def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     """Each virtual stage's F, B, I, W for one micro-batch: its layers, plus the embedding (first) and
     the head with the loss (last)."""
-    layer = layer_time(model, config, job, software, rates)
-    tokens = config.microbatch_size * job.seq_len
+    key = (
+        model,
+        config.tp,
+        config.sequence_parallel,
+        config.recompute,
+        config.microbatch_size,
+        job,
+        software,
+    )
+    if key not in rates.per_layer:
+        tokens = config.microbatch_size * job.seq_len
+        ends = _ends(model, config, tokens, software, rates)
+        rates.per_layer[key] = layer_time(model, config, job, software, rates), ends
+    layer, ends = rates.per_layer[key]
     cuts = stage_layers(model, config)
-    ends = _ends(model, config, tokens, software, rates)
     costs = []
     for index, cut in enumerate(cuts):
         n = len(cut)
@@ -182,19 +194,25 @@ def pipeline_seconds(model, config, job, software, rates, costs) -> tuple[Simula
 def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
     """A time no program of this schedule can beat, without simulating it: the larger of
 
-    - a rank's work, after the forwards that must reach its first stage before it can start;
+    - for each rank, its work after the forwards that must reach its first stage before it can start,
+      and (a schedule that runs whole backwards, ending each rank on its first stage's last backward)
+      before the gradient from there has gone back to the first stage;
     - the last stage's m forwards and backwards, after the first micro-batch's forward has reached it
       and before the last one's gradient has gone back to the first stage (each hop across ranks costing
       at least one message).
     """
     placement = placement_for(config.schedule, config.pp, config.chunks)
     m, last = config.microbatches, len(costs) - 1
-    gradient = "I" if splits_backward(config.schedule) else "B"
-    before = [0.0]
+    split = splits_backward(config.schedule)
+    gradient = "I" if split else "B"
+    before, after = [0.0], [0.0]
     for cost in costs:
         before.append(before[-1] + cost["F"])
+        after.append(after[-1] + cost["B"])
     busiest = max(
-        before[min(stages)] + m * sum(costs[s]["F"] + costs[s]["B"] for s in stages)
+        before[min(stages)]
+        + m * sum(costs[s]["F"] + costs[s]["B"] for s in stages)
+        + (0.0 if split else after[min(stages)])
         for stages in placement.stages
     )
     chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
@@ -301,7 +319,8 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     micro-batch's gradients, as ZeRO-2 does (its gradients are never whole). Without ``run``
     (a floor for the search), only that last case counts: the others may all be hidden.
     """
-    if config.dp == 1:
+    per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
+    if config.dp == 1 or (run is None and not per_microbatch):
         return 0.0
     link = rates.gpu.intra_node_bandwidth if config.gpus <= rates.gpu.gpus_per_node else (
         rates.gpu.inter_node_bandwidth
@@ -320,8 +339,6 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
         return config.microbatches * per_microbatch
     if config.zero == 2 and config.microbatches > 1:  # each micro-batch's gradients leave as they come
         return config.microbatches * max(max(0.0, g - c["B"]) for g, c in zip(gradients, costs, strict=True))
-    if run is None:
-        return 0.0
     layers = [max(1, len(cut)) for cut in cuts]
     end, delay = run.makespan * unit, 0.0
     for moments in run.moments:

@@ -15,6 +15,7 @@ Hugging Face config.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ class PaperModel:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @functools.cache  # noqa: B019 (models are few and frozen; a search asks thousands of times)
     def gemms(self) -> list[Gemm]:
         """The matrix products of one layer's forward, per token, in the order the layer runs them: a
         Llama-shaped layer projects q, k and v apart and runs gate and up apart; a GPT-2-shaped one
@@ -104,6 +106,7 @@ class PaperModel:
 
     # --- parameters ----------------------------------------------------------------------------------
 
+    @functools.cache  # noqa: B019
     def layer_parameters(self) -> int:
         """Parameters of one block (every expert of a mixture)."""
         h = self.hidden

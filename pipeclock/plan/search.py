@@ -5,10 +5,12 @@ The knobs: tp (a divisor of the node's GPU count, and of the heads), pp (at most
 the schedule (pipeclock's seven; one stage needs none) with its chunks per rank (interleaving: 2, 3, 4,
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
-Memory first: a configuration whose fullest GPU does not fit is dropped before any time is spent on it.
-Then each one's floor (its busiest rank's compute, plus what data parallel and the optimizer add) orders
-the simulations: the program simulator runs best-first, and the search stops once no floor left can
-beat the ``top``-th best step found; the simulations themselves are cached by their costs' ratios.
+A configuration whose states alone (weights, gradients, optimizer state, sharded as far as it goes)
+exceed the GPU is dropped at once. The others are ordered by a floor on their step time, computed
+without simulating (`pipeclock.plan.cluster_time.pipeline_floor`, plus what data parallel and the
+optimizer add for sure), and judged best-first: the fullest GPU's memory, and where it fits, the step
+from the program simulator. The search stops once no floor left can beat the ``top``-th best step
+found; the simulations themselves are cached by their costs' ratios.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class SearchError(ValueError):
 @dataclass
 class SearchResult:
     ranked: list[Prediction]  # the fastest that fit, best first
-    considered: int = 0
-    fitting: int = 0
+    considered: int = 0  # every configuration the knobs allow
+    judged: int = 0  # of them, whose memory was judged (best floor first, until none left could win)
+    fitting: int = 0  # of those, that fit
     simulated: int = 0
     smallest: Prediction | None = None  # when nothing fits: the configuration that comes closest
     notes: list[str] = field(default_factory=list)
@@ -63,7 +66,7 @@ def search(
     """The ``top`` fastest configurations that fit (see the module's order of work)."""
     fixed = fixed or {}
     result = SearchResult([])
-    rates = Rates(cluster.kind, software)
+    rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
     floors = []
     leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
     for config in configurations(model, cluster, job, fixed):
@@ -71,26 +74,21 @@ def search(
         static = static_floor(model, config, software)
         if leanest is None or static < leanest[0]:
             leanest = (static, config)
-        if static > cluster.kind.memory:
+        if static > capacity:
             continue
+        floors.append((_floor(model, config, job, software, rates), len(floors), config))
+    floors.sort(key=lambda entry: entry[:2])
+    ranked: list[tuple[float, Prediction]] = []
+    for floor, _, config in floors:
+        if len(ranked) >= top and floor >= ranked[top - 1][0]:
+            break
         memory = gpu_memory(model, config, job, software)
-        if memory.total > cluster.kind.memory:
+        result.judged += 1
+        if memory.total > capacity:
             if result.smallest is None or memory.total < result.smallest.memory.total:
                 result.smallest = _judged(model, config, job, software, cluster, memory)
             continue
         result.fitting += 1
-        costs = stage_costs(model, config, job, software, rates)
-        transfer = message_seconds(model, config, job, rates)
-        floor = pipeline_floor(config, costs, transfer) + data_parallel_seconds(
-            model, config, software, rates, costs, None, 1.0
-        )
-        floor += optimizer_seconds(model, config, rates)
-        floors.append((floor, len(floors), config, memory))
-    floors.sort(key=lambda entry: entry[:2])
-    ranked: list[tuple[float, Prediction]] = []
-    for floor, _, config, memory in floors:
-        if len(ranked) >= top and floor >= ranked[top - 1][0]:
-            break
         prediction = _judged(model, config, job, software, cluster, memory)
         result.simulated += 1
         twin = next((i for i, (_, p) in enumerate(ranked) if _twins(p, prediction)), None)
@@ -108,6 +106,15 @@ def search(
             model, config, job, software, cluster, gpu_memory(model, config, job, software)
         )
     return result
+
+
+def _floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+    """A step time ``config`` cannot beat: its pipeline's floor, plus what data parallel adds for sure
+    and the optimizer."""
+    costs = stage_costs(model, config, job, software, rates)
+    floor = pipeline_floor(config, costs, message_seconds(model, config, job, rates))
+    floor += data_parallel_seconds(model, config, software, rates, costs, None, 1.0)
+    return floor + optimizer_seconds(model, config, rates)
 
 
 def _twins(a: Prediction, b: Prediction) -> bool:
