@@ -19,7 +19,6 @@ import argparse
 import itertools
 import math
 import sys
-from typing import NamedTuple
 
 from pipeclock.cli import plan_cluster
 from pipeclock.cli.arguments import (
@@ -187,7 +186,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     print(describe_model(model, training, device, binary))
     if split.tp > 1:
-        print(_tp_line(split, model.time_unit != "ms"))
+        print(split.describe(charged=model.time_unit == "ms"))
     overhead = args.action_overhead / 1e3
     plans = _search(
         model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime,
@@ -217,24 +216,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-class TensorSplit(NamedTuple):
-    """``--tp`` and what it needs: the collectives per kind of layer, sequence parallel."""
-
-    tp: int = 1
-    collectives: dict | None = None
-    sequence_parallel: bool = False
-
-
-def _tensor_split(args: argparse.Namespace) -> TensorSplit:
+def _tensor_split(args: argparse.Namespace):
     """``--tp`` checked against the model's widths (a rank holds whole heads, whole columns)."""
-    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER
+    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER, TensorSplit
 
     if args.sequence_parallel and args.tp == 1:
         raise UsageError("--sequence-parallel splits tensor parallel's activations: give --tp N (N > 1)")
     if args.params is not None or args.model == "mlp":
-        width, what = (args.hidden, "--hidden") if args.params is None else (None, "")
-        if width is not None and width % args.tp:
-            raise UsageError(f"--tp {args.tp} does not divide the MLP's {what} {width}")
+        if args.params is None and args.hidden % args.tp:
+            raise UsageError(f"--tp {args.tp} does not divide the MLP's --hidden {args.hidden}")
         return TensorSplit(args.tp, MLP, args.sequence_parallel)
     heads = args.heads
     if args.model == "hf" and args.hf_config:
@@ -246,18 +236,6 @@ def _tensor_split(args: argparse.Namespace) -> TensorSplit:
     return TensorSplit(args.tp, TRANSFORMER, args.sequence_parallel)
 
 
-def _tp_line(split: TensorSplit, rough: bool) -> str:
-    calls = "all-gathers and reduce-scatters" if split.sequence_parallel else "all-reduces"
-    charged = (
-        "not charged: a rough model's times are layer forwards, not seconds (measure one with --model)"
-        if rough else "charged on the --link-* link, unhidden"
-    )  # fmt: skip
-    return (
-        f"tensor parallel {split.tp}: each stage's layers split over {split.tp} ranks, each holding "
-        f"1/{split.tp} of their matrices; their {calls} {charged}"
-    )
-
-
 def _search(
     model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0,
     link=None, split=None,
@@ -265,7 +243,7 @@ def _search(
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
     from pipeclock.observe.simulate import Link
     from pipeclock.plan.planner import judge
-    from pipeclock.plan.tensor_parallel import split_layers
+    from pipeclock.plan.tensor_parallel import TensorSplit, split_layers
 
     plans: list[Plan] = []
     split = split or TensorSplit()
