@@ -29,8 +29,9 @@ DEFAULT_SEQ_LEN = 4096
 LARGEST_CLUSTER_TRIED = 2**16
 
 
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """The cluster options, in the plan command's own group."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster options, in a group of their own in the plan command's help."""
+    group = parser.add_argument_group("a cluster, on paper")
     group.add_argument(
         "--cluster", metavar="NxKIND",
         help="plan on paper for N GPUs of a kind: 512xH100-80GB, 4xRTX4090 ... (kinds: A100-40GB, "
