@@ -265,10 +265,21 @@ def test_a_lab_without_a_loop_is_one_line_before_any_process_starts(tmp_path):
         check(3, empty)
 
 
-def test_each_lab_page_quotes_its_loop_as_the_file_has_it():
+def test_each_lab_page_hands_out_the_skeleton_and_keeps_the_answer_after_the_exercise():
     for page in ("lab4-naive", "lab5-gpipe", "lab6-1f1b", "lab7-interleaved"):
         text = (ROOT / "docs" / f"{page}.md").read_text()
-        source = re.search(r"<!-- loop: (\S+) -->\n```python\n(.*?)\n```", text, re.S)
-        assert source, f"{page} quotes no loop"
-        code = (ROOT / source[1]).read_text()
-        assert source[2] == code[code.index("import torch") :].rstrip("\n"), f"{page}: {source[1]} changed"
+        exercise = text.index("## Write it yourself")
+        skeleton = re.search(r"<!-- skeleton: (\S+) -->\n```python\n(.*?)\n```", text, re.S)
+        assert skeleton and skeleton.start() > exercise, f"{page} hands out no skeleton in its exercise"
+        code = (ROOT / skeleton[1]).read_text()
+        assert skeleton[2] == code[code.index("def ") :].rstrip("\n"), f"{page}: {skeleton[1]} changed"
+        answer = re.search(r"<!-- loop: (\S+) -->\n```python\n(.*?)\n```", text, re.S)
+        assert answer, f"{page} quotes no loop"
+        assert answer.start() > text.index("## The answer") > exercise, (
+            f"{page}: the answer before the exercise"
+        )
+        assert "[The answer](#the-answer)" in text[exercise : answer.start()], (
+            f"{page} does not say where it is"
+        )
+        code = (ROOT / answer[1]).read_text()
+        assert answer[2] == code[code.index("import torch") :].rstrip("\n"), f"{page}: {answer[1]} changed"

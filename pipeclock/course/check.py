@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,8 @@ class Exercise:
         """m < p, then uneven splits of the batch of 11, then m = 2p: the step the answer draws."""
         return [Case(m) for m in {2: [1, 3, 4], 4: [2, 5, 8]}[world]]
 
-    def lab_of(self, world: int):
+    def lab_of(self, world: int) -> Callable[[int], Lab]:
+        """The lab's schedule with ``world`` ranks, for each micro-batch count."""
         return lambda m: Lab(self.schedule, world, m, self.chunks)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeclock.course.check_rank import CONSEQUENCE, ORDER, Fault
@@ -55,7 +56,7 @@ class Watch:
     """One launch of ``world`` ranks checking ``lab_of(m)``'s order for each case."""
 
     world: int
-    lab_of: object  # Callable[[int], Lab]
+    lab_of: Callable[[int], Lab]
     states: list[RankState] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     first_at: float | None = None
@@ -139,7 +140,7 @@ def beside(lab: Lab, yours: list[list[Action]]) -> list[str]:
     return [head, mine, f"{lab.name}'s order for the same p and m:", theirs]
 
 
-def watch(processes, events, world: int, lab_of) -> Watch:
+def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
     """Follow the ranks until all finish; `Verdict` at the first fault, a deadlock or a lost process."""
     seen = Watch(world, lab_of)
     states = seen.states
