@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pipeclock.cli.interrupts import run_as_script
 from pipeclock.model import full_mlp, parameter_bytes
 from pipeclock.models.regression import SyntheticRegression
+from pipeclock.observe.machine import timing_context
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         f"({first / last:.0f}x); the last {len(recent)} steps average {statistics.fmean(recent):.4f}"
     )
     print(f"step time {step_time * 1e3:.2f} ms (median), {args.batch_size / step_time:,.0f} samples/s")
+    print(timing_context())
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.cli.interrupts import run_as_script
+from pipeclock.observe.machine import timing_context
 
 PROCESSES = 2  # how many processes `python -m pipeclock lab 3` asks torchrun for
 SIZES = {"4 B": 1, "1 KiB": 256, "64 KiB": 16_384, "1 MiB": 262_144, "8 MiB": 2_097_152}
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             rate = 2 * numel * 4 / seconds / 2**20
             print(f"{label:>7}  {seconds * 1e6:9.1f} us  {rate:9.1f} MiB/s", flush=True)
     comms.barrier()
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

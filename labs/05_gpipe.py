@@ -28,6 +28,7 @@ from pipeclock import comms
 from pipeclock.cli.interrupts import run_as_script
 from pipeclock.course.beside import compare
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.observe.machine import timing_context
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import draw_runs, measured_ascii
 from pipeclock.training.loop import TrainConfig, schedule_table, train
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         draw(reports, args)
         print("\n" + "\n".join(beside))
         lesson(reports)
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

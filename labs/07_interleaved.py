@@ -28,6 +28,7 @@ from pipeclock import comms
 from pipeclock.cli.interrupts import run_as_script
 from pipeclock.course.beside import compare
 from pipeclock.engine.generators import bubble_formula, bubble_formula_text
+from pipeclock.observe.machine import timing_context
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import (
     draw_activations_held,
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         draw(reports, runs, args.out)
         print("\n" + "\n".join(beside))
         lesson(reports, runs)
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

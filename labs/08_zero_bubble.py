@@ -34,6 +34,7 @@ from pipeclock.engine.generators import bubble_formula, bubble_formula_text
 from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.model import ShardedMLP
 from pipeclock.models.regression import SyntheticRegression
+from pipeclock.observe.machine import timing_context
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import draw_runs, measured_ascii, measured_costs, side_by_side
 from pipeclock.training.loop import TrainConfig, schedule_table, train
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         print("(a B does the work of an I and its W together; ZB-H1's rank 0 runs B's: see the page)\n")
         draw(reports, args)
         lesson(reports, args.microbatches, gradients)
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pipeclock import comms
 from pipeclock.cli.interrupts import run_as_script
 from pipeclock.model import ShardedMLP
+from pipeclock.observe.machine import timing_context
 from pipeclock.observe.metrics import RunReport
 from pipeclock.observe.report import typical_step
 from pipeclock.training.loop import TrainConfig, train
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         print("where the sum happens (replica 0, a typical step):")
         print("\n".join("  " + line for line in where_the_sum_happens(report, pp)))
         print("\n".join(traffic_lines(report, config, pp, loopback)) + "\n")
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from pipeclock import comms
 from pipeclock.cli.interrupts import run_as_script
 from pipeclock.models.gpt import GPTConfig
+from pipeclock.observe.machine import timing_context
 from pipeclock.plan.model_specs import gpt_spec
 from pipeclock.plan.planner import judge
 from pipeclock.plan.profile import profile
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         everything = {**{f"recompute {k}": v for k, v in recompute.items()}, "bf16": bf16}
         everything |= {f"balance {k}": v for k, v in balanced.items()}
         show_planner(everything, profiles, samples)
+    if rank == 0:
+        print(timing_context())
     comms.shutdown()
 
 

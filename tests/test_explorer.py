@@ -16,8 +16,15 @@ from pathlib import Path
 import pytest
 
 from pipeclock.cli.dispatch import main
-from pipeclock.engine.generators import SCHEDULES, bubble_formula, chunks_of, generate, supports_chunks
-from pipeclock.observe.explorer import Grid, page, write_page
+from pipeclock.engine.generators import (
+    SCHEDULES,
+    bubble_formula,
+    chunks_of,
+    formula_assumption,
+    generate,
+    supports_chunks,
+)
+from pipeclock.observe.explorer import Grid, page, schedule_data, write_page
 from pipeclock.observe.simulate import simulate
 from tools.browser import CHROMIUM, Browser
 from tools.explorer_figure import READY, draw
@@ -59,7 +66,7 @@ def simulated(name: str, p: int, m: int, chunks: int, costs: dict, message: floa
 
 
 def view(p: int, m: int, chunks: int, costs: dict, message: float, **shown: str) -> str:
-    settings = {**shown, "p": p, "m": m, "chunks": chunks, **costs, "latency": message}
+    settings = {**shown, "p": p, "m": m, "chunks": chunks, **costs, "message": message}
     return "&".join(f"{key}={value}" for key, value in settings.items())
 
 
@@ -86,7 +93,7 @@ def side(browser: Browser, which: str) -> dict:
         side.querySelector(`[data-figure="${{name}}"]`)?.dataset.value;
         return {{ name: side.dataset.schedule, draws: Number(side.dataset.draws),
         makespan: Number(value('makespan')), bubble: Number(value('bubble')),
-        formula: Number(value('formula')),
+        formula: Number(value('formula')), caveat: value('caveat') || null,
         peaks: JSON.parse(value('peaks') || '[]'), title: side.querySelector('h2')?.textContent }}; }})()"""
     )
     return figures
@@ -130,6 +137,21 @@ def test_1f1b_zb_h1_and_zb_v_at_p4_m8_show_the_simulators_bubble_and_makespan(br
 
 
 @needs_chromium
+def test_a_formula_that_does_not_apply_says_so_beside_it_and_the_address_key_is_the_labels(
+    browser, page_file
+):
+    open_at(browser, page_file, view(4, 4, 2, DEFAULT_COSTS, 0.5, schedule="zb-v", compare="zb-v"))
+    assert side(browser, "a")["caveat"] == "m ≥ 2p"  # 4 micro-batches on 4 ranks: no steady state
+    shown = browser.evaluate("document.querySelector('#side-a [data-figure=caveat]').textContent")
+    assert shown == "the formula assumes m ≥ 2p, not so here: read the simulated bubble"
+    assert browser.evaluate("document.getElementById('message').value") == "0.5"
+    label = browser.evaluate("document.getElementById('message').parentElement.textContent")
+    assert label.strip() == "message", "the address key (message=) is the label's word"
+    set_input(browser, "m", "8")
+    assert side(browser, "a")["caveat"] is None
+
+
+@needs_chromium
 def test_on_a_grid_of_cases_every_schedules_figures_are_the_simulators(browser, page_file):
     open_at(browser, page_file, view(*GRID[0]))
     for p, m, chunks, costs, message in GRID:
@@ -162,11 +184,11 @@ def test_changing_p_m_or_a_cost_redraws_with_the_simulators_figures(browser, pag
     open_at(browser, page_file, view(4, 8, 2, DEFAULT_COSTS, 0.0, schedule="zb-h1", compare="1f1b"))
     costs, p, m, message = dict(DEFAULT_COSTS), 4, 8, 0.0
     before = side(browser, "a")
-    for field, value in (("p", "5"), ("m", "3"), ("W", "2.5"), ("F", "0.5"), ("latency", "0.75")):
+    for field, value in (("p", "5"), ("m", "3"), ("W", "2.5"), ("F", "0.5"), ("message", "0.75")):
         set_input(browser, field, value)
         p, m = (int(value) if field == key else old for key, old in (("p", p), ("m", m)))
         costs = {**costs, field: float(value)} if field in costs else costs
-        message = float(value) if field == "latency" else message
+        message = float(value) if field == "message" else message
         after = side(browser, "a")
         assert after["draws"] == before["draws"] + 1, f"changing {field} did not redraw"
         assert same_figures(after, simulated("zb-h1", p, m, 1, costs, message)), (field, after)
@@ -227,6 +249,24 @@ def test_explore_out_writes_one_self_contained_page(tmp_path, capsys):
         capsys.readouterr().err
         == f"pipeclock explore: error: --out {tmp_path}: that is a folder; name a file\n"
     )
+
+
+def test_the_page_carries_a_caveat_exactly_where_the_formula_is_not_the_simulators_bubble():
+    cases = schedule_data(Grid(stages=6, microbatches=12, chunks=3))["cases"]
+    caveats = 0
+    for key, case in cases.items():
+        name, p, m, chunks = key.split("/")
+        p, m, chunks = int(p), int(m), int(chunks)
+        if "error" in case:
+            continue
+        assert case.get("caveat") == formula_assumption(name, p, m, chunks), key
+        if "caveat" in case:
+            caveats += 1
+            continue
+        exact = simulated(name, p, m, chunks, DEFAULT_COSTS, 0.0)
+        assert math.isclose(exact["bubble"], exact["formula"], abs_tol=1e-12), key
+    assert cases["zb-v/4/4/2"]["caveat"] == "m ≥ 2p" and "caveat" not in cases["zb-v/4/8/2"]
+    assert caveats > 0
 
 
 def test_the_page_holds_every_schedule_on_its_grid_and_stays_small():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeclock.cli.commands.lab import environment
 from tests.commands import run_once
 from tests.jobs import signal_group_when
 
@@ -70,6 +71,16 @@ def test_lab3_ping_pong_runs_two_processes_and_the_tensor_comes_back_intact():
     rows = re.findall(r"^\s*([\d]+ \w?i?B)\s+([\d.]+) us\s+([\d.]+) MiB/s$", out, re.MULTILINE)
     assert [size for size, _, _ in rows] == ["4 B", "1 KiB", "64 KiB", "1 MiB", "8 MiB"]
     assert all(float(us) > 0 for _, us, _ in rows)
+
+
+def test_a_labs_threads_share_the_cores_and_sleep_while_they_wait_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = environment(nproc=2)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert environment(nproc=1)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_an_unknown_lab_is_a_clear_error():

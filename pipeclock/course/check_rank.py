@@ -1,16 +1,16 @@
 """One rank of ``pipeclock lab N --check FILE``: run the learner's loop, step after step, and report.
 
-The rank joins a gloo group, loads the learner's file with ``comms`` wrapped (`recorder.Recorder`),
-and for each micro-batch count runs one step of the learner's function on a fresh ShardedMLP stage. It
-tells the checker (`check`) everything through a queue: each message's call before it blocks and
-after it completes (so a deadlock can be described), each fault it sees (a message or a gradient that is
-not what the one-process model computes, a wrong loss, an exception), and its step's times. Every rank
-computes the one-process reference itself: the model is small, and no message is needed to know it.
+The rank joins a gloo group, loads the learner's file with ``comms`` wrapped (`recorder.Recorder`) and
+hooks on its model chunks (`computes.Computes`), and for each micro-batch count runs one step of the
+learner's function on a fresh ShardedMLP stage. It tells the checker (`check`) everything through a
+queue: each forward and backward it computes, each message's call before it blocks and after it
+completes (so a deadlock can be described), each fault it sees (a message or a gradient that is not
+what the one-process model computes, a wrong loss, an exception), and the end of each step. Whatever
+happens, the process ends without printing a traceback: the checker says what went wrong, in one line.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -19,91 +19,33 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from pipeclock import comms, schedule
+from pipeclock import comms
+from pipeclock.comm_errors import ShapeMismatchError
+from pipeclock.course.computes import Computes
+from pipeclock.course.learner_file import load_function
 from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
+from pipeclock.course.reference import Case, Reference, close, gap
 from pipeclock.model import ShardedMLP
 
-TOLERANCE = 1e-5  # relative to the largest value of the tensor compared
-
-
-@dataclass(frozen=True)
-class Case:
-    """One step to check: ``m`` micro-batches on a model of ``layers`` x ``hidden``, a batch of ``batch``."""
-
-    m: int
-    hidden: int = 8
-    layers: int = 8
-    batch: int = 11
-    timed: bool = False  # the step whose bubble is measured (a larger model, run twice)
+# How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
+CAUSE, ORDER, RESULT, CONSEQUENCE = 0, 1, 2, 3
+NO_GRAD_HINT = "x.grad stays None unless the input was marked with x.requires_grad_() before the forward"
 
 
 @dataclass(frozen=True)
 class Fault:
-    """What a rank found wrong; ``order`` sorts faults so that the earliest cause comes first."""
+    """What a rank found wrong: ``tier`` (CAUSE ... CONSEQUENCE) and ``when`` rank the faults of a case."""
 
     rank: int
     case: Case
-    order: tuple
+    tier: int
+    when: float
     text: str
 
-
-def load_function(path: Path, name: str):
-    """The learner's function ``name`` from the file at ``path``."""
-    spec = importlib.util.spec_from_file_location(f"learner_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise LookupError(f"{path} defines no function {name}(...)")
-    return function
-
-
-class Reference:
-    """What the one-process model computes for a case: every stage boundary's activation and gradient per
-    micro-batch, the parameters' gradients (whole, and each micro-batch's share), and the loss."""
-
-    def __init__(self, case: Case, stages: int, seed: int = 0) -> None:
-        self.inputs, self.targets = batch_of(case)
-        whole = ShardedMLP(case.hidden, case.layers, 0, 1, seed)
-        loss = F.mse_loss(whole(self.inputs), self.targets)
-        loss.backward()
-        self.loss = loss.item()
-        self.grads = {name: p.grad.clone() for name, p in whole.named_parameters()}
-        self.sent: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.shares: list[dict[str, torch.Tensor]] = []
-        parts = [ShardedMLP(case.hidden, case.layers, s, stages, seed) for s in range(stages)]
-        pieces = zip(*(schedule.split_microbatches(t, case.m) for t in batch_of(case)), strict=True)
-        for i, (x, target) in enumerate(pieces):
-            for part in parts:
-                part.zero_grad()
-            ins, h = [], x
-            for stage, part in enumerate(parts):
-                if stage > 0:
-                    h.retain_grad()  # the gradient a stage sends back: the one of its input
-                ins.append(h)
-                h = part(h)
-                self.sent[ACTIVATION, i, stage] = h.detach()
-            (F.mse_loss(h, target) * len(target) / case.batch).backward()
-            for stage in range(1, stages):
-                self.sent["gradient", i, stage] = ins[stage].grad
-            self.shares.append({n: p.grad.clone() for part in parts for n, p in part.named_parameters()})
-
-
-def batch_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(case.m * 7919 + case.batch)
-    return torch.randn(case.batch, case.hidden, generator=generator), torch.randn(
-        case.batch, case.hidden, generator=generator
-    )
-
-
-def gap(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got.detach().float() - want).abs().max().item()
-
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return got.shape == want.shape and gap(got, want) <= TOLERANCE * max(want.abs().max().item(), 1e-6)
+    @property
+    def order(self) -> tuple:
+        return (self.case.m, self.tier, self.when)
 
 
 class RankCheck:
@@ -114,7 +56,8 @@ class RankCheck:
         self.learner, self.function_name = learner.resolve(), function
         self.case: Case | None = None
         self.reference: Reference | None = None
-        self.recorder = Recorder(rank, Pipe(world, chunks, 1), self._waits, self._did, self._sent)
+        self.pipe = Pipe(world, chunks, 1)
+        self.recorder = Recorder(rank, self.pipe, self._waits, self._did, self._sent)
 
     # --- reports -----------------------------------------------------------------------------------------
 
@@ -127,31 +70,45 @@ class RankCheck:
     def _did(self, text: str) -> None:
         self._put("did", text)
 
-    def _fault(self, order: tuple, text: str) -> None:
-        self.events.put(("fault", self.rank, self.case, Fault(self.rank, self.case, order, text)))
+    def fault(self, tier: int, text: str) -> None:
+        found = Fault(self.rank, self.case, tier, time.monotonic(), text)
+        self.events.put(("fault", self.rank, self.case, found))
+
+    def _computed(self, action) -> None:
+        self._put("computed", (action.op, action.microbatch, action.chunk))
 
     def _sent(self, message: Message, tensor: torch.Tensor) -> None:
         """Compare a tensor as it leaves with what the one-process model has there."""
         forward = message.kind == ACTIVATION
-        order = (message.microbatch, 0 if forward else 1, message.stage if forward else -message.stage)
         if message.microbatch < 0:
-            self._fault(
-                (self.case.m, 2, 0), f"rank {self.rank} sent one {message.kind} more than the step has"
-            )
+            self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has")
             return
         want = self.reference.sent[message.kind, message.microbatch, message.stage]
         where = f"rank {self.rank}, micro-batch {message.microbatch}, {'forward' if forward else 'backward'}"
-        if not isinstance(tensor, torch.Tensor):
-            self._fault(order, f"{where}: sent {type(tensor).__name__}, not a tensor")
+        if tensor is None and not forward:
+            self.fault(CAUSE, f"{where}: sent None, not a gradient: {NO_GRAD_HINT}")
+        elif not isinstance(tensor, torch.Tensor):
+            self.fault(CAUSE, f"{where}: sent {type(tensor).__name__}, not a tensor")
+        elif (other := self.reference.which(message.kind, message.stage, tensor)) not in (
+            None,
+            message.microbatch,
+        ):
+            shapes = f" (shape {tuple(tensor.shape)})" if tensor.shape != want.shape else ""
+            due = f" (shape {tuple(want.shape)})" if shapes else ""
+            self.fault(
+                CAUSE,
+                f"{where}: sent a {message.kind} that is micro-batch {other}'s{shapes}, "
+                f"where micro-batch {message.microbatch}'s{due} is due",
+            )
         elif tensor.shape != want.shape:
-            self._fault(
-                order,
+            self.fault(
+                CAUSE,
                 f"{where}: sent {message} with shape {tuple(tensor.shape)}, "
                 f"the one-process model's has shape {tuple(want.shape)}",
             )
         elif not close(tensor, want):
-            self._fault(
-                order,
+            self.fault(
+                CAUSE,
                 f"{where}: sent a wrong {message.kind}: it differs from the one-process "
                 f"model's by up to {gap(tensor, want):.3g} (largest value {want.abs().max().item():.3g})"
                 f"{ratio_hint(tensor, want)}",
@@ -159,8 +116,7 @@ class RankCheck:
 
     # --- running -----------------------------------------------------------------------------------------
 
-    def run(self, cases: list[Case]) -> None:
-        function = load_function(self.learner, self.function_name)
+    def run(self, function, cases: list[Case]) -> None:
         self._put("started")
         for case in cases:
             self.case, self.reference = case, Reference(case, self.world * self.chunks)
@@ -169,19 +125,26 @@ class RankCheck:
         self._put("finished")
 
     def run_case(self, function, case: Case) -> None:
-        for _ in range(2 if case.timed else 1):
-            chunks = ShardedMLP.for_rank(case.hidden, case.layers, self.rank, self.world, chunks=self.chunks)
-            self.recorder.restart(Pipe(self.world, self.chunks, case.m))
-            self._put("waits", "for the others to start the step")
-            comms.barrier("starting a step")
-            self._put("begin")
-            start = time.monotonic()
-            loss = self.call(function, chunks, case)
-            end = time.monotonic()
-            self._put("step done", start, end, self.recorder.blocked)
-            self.check_results(chunks, loss)
-            self._put("waits", "for the others to finish the step")
-            comms.barrier("ending a step")
+        chunks = ShardedMLP.for_rank(case.hidden, case.layers, self.rank, self.world, chunks=self.chunks)
+        self.pipe = Pipe(self.world, self.chunks, case.m)
+        self.recorder.restart(self.pipe)
+        computes = Computes(chunks, self._identify, self._fallback, self._computed)
+        self._put("waits", "for the others to start the step")
+        comms.barrier("starting a step")
+        self._put("begin")
+        loss = self.call(function, chunks, case)
+        computes.remove()
+        self._put("step done")
+        self.check_results(chunks, loss)
+        self._put("waits", "for the others to finish the step")
+        comms.barrier("ending a step")
+
+    def _identify(self, chunk: int, x: torch.Tensor) -> int | None:
+        return self.reference.entering_which(self.pipe.stage(self.rank, chunk), x)
+
+    def _fallback(self, chunk: int, k: int) -> int:
+        order = [i for i, c in self.pipe.forward_order() if c == chunk]
+        return order[k] if k < len(order) else len(order)
 
     def call(self, function, chunks: list[ShardedMLP], case: Case):
         stage = chunks if self.chunks > 1 else chunks[0]
@@ -189,12 +152,11 @@ class RankCheck:
         targets = self.reference.targets if self.rank == self.world - 1 else None
         try:
             return function(stage, inputs, targets, case.m)
-        except Exception as error:  # the learner's bug: said in one line, with its place in their file
-            self._fault((-1, 0, 0), f"rank {self.rank} raised {describe_exception(error, self.learner)}")
-            self.events.close()
-            self.events.join_thread()  # the report is out before the process ends
-            sys.stdout.flush()
-            os._exit(1)
+        except BaseException as error:  # the learner's bug, said in one line with its place in their file
+            # another shape than it expected: what the sender sent, whose own fault comes first
+            tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else CAUSE
+            self.fault(tier, f"rank {self.rank} {describe_exception(error, self.learner)}")
+            leave(self.events, 1)
 
     def check_results(self, chunks: list[ShardedMLP], loss) -> None:
         last = self.rank == self.world - 1
@@ -202,23 +164,19 @@ class RankCheck:
         if last and not (
             isinstance(loss, float | int | torch.Tensor) and abs(float(loss) - want) <= 1e-5 * abs(want)
         ):
-            self._fault(
-                (self.case.m, 3, 0),
-                f"rank {self.rank} returned the loss {loss!r}; the batch's loss is {want:.6g}",
-            )
+            self.fault(RESULT, f"rank {self.rank} returned the loss {loss!r}; the batch's loss is {want:.6g}")
         for chunk in chunks:
             for name, parameter in chunk.named_parameters():
                 self.check_gradient(name, parameter.grad)
 
     def check_gradient(self, name: str, got: torch.Tensor | None) -> None:
         want = self.reference.grads[name]
-        order = (self.case.m, 4, 0)
         if got is None:
-            self._fault(order, f"rank {self.rank}: {name} has no gradient: no backward reached it")
+            self.fault(RESULT, f"rank {self.rank}: {name} has no gradient: no backward reached it")
         elif not close(got, want):
             blame = self.blame(name, got)
-            self._fault(
-                order,
+            self.fault(
+                RESULT,
                 f"rank {self.rank}: the gradient of {name} differs from the one-process "
                 f"model's by up to {gap(got, want):.3g} (largest value {want.abs().max().item():.3g}){blame}",
             )
@@ -246,19 +204,36 @@ def ratio_hint(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def describe_exception(error: BaseException, learner: Path) -> str:
-    """``ValueError: ... (line 12 of FILE: `code`)``: the learner's deepest line in the traceback."""
+    """``raised ValueError: ... (line 12 of FILE: `code`)``: the learner's deepest line in the traceback,
+    with a hint where the cause is a common one."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve() == learner]
-    text = f"{type(error).__name__}: {error}".strip()
+    if isinstance(error, SystemExit):
+        text = f"called sys.exit({error.code!r})"
+    else:
+        text = f"raised {type(error).__name__}: {error}".strip()
     if not frames:
         return text
     frame = frames[-1]
-    return f"{text} (line {frame.lineno} of {os.path.relpath(learner)}: `{(frame.line or '').strip()}`)"
+    line = (frame.line or "").strip()
+    hint = f"; {NO_GRAD_HINT}" if isinstance(error, AttributeError) and ".grad" in line else ""
+    return f"{text} (line {frame.lineno} of {os.path.relpath(learner)}: `{line}`){hint}"
+
+
+def leave(events, code: int) -> None:
+    """End this process at once, its reports delivered: no traceback, no cleanup that could print one."""
+    try:
+        events.close()
+        events.join_thread()
+        sys.stdout.flush()
+    finally:
+        os._exit(code)
 
 
 def run_rank(
     rank: int, world: int, port: int, chunks: int, learner: str, function: str, cases, events
 ) -> None:
-    """A process's whole life: join the group, check every case, leave."""
+    """A process's whole life: join the group, check every case, leave. Whatever ends it early (a peer
+    gone, an error in the learner's file at import) is one report, never a traceback."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -268,8 +243,14 @@ def run_rank(
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    comms.init("gloo", timeout=300.0)  # the checker's own stall detection comes first
     check = RankCheck(rank, world, chunks, Path(learner), function, events)
-    with check.recorder:
-        check.run(cases)
-    comms.shutdown()
+    try:
+        function = load_function(check.learner, function)  # before the group exists: it cannot talk yet
+        comms.init("gloo", timeout=300.0)  # the checker's own stall detection comes first
+        with check.recorder:
+            check.run(function, cases)
+        comms.shutdown()
+    except BaseException as error:
+        events.put(("lost", rank, check.case, f"{type(error).__name__}: {error}".splitlines()[0]))
+        leave(events, 1)
+    leave(events, 0)

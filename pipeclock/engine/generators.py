@@ -165,6 +165,15 @@ _BUBBLE_FORMULAS: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
     "dualpipev": ("(p-1)/(3m+p-1)", lambda p, m, v: (p - 1) / (3 * m + p - 1)),
 }
 
+# Where a formula is exact with the default costs: it counts a full steady state, which these schedules
+# reach only with enough micro-batches (the generators' docstrings say why).
+_FORMULA_ASSUMES: dict[str, tuple[str, Callable[[int, int, int], bool]]] = {
+    "interleaved-1f1b": ("m a multiple of p", lambda p, m, v: v == 1 or m % p == 0),
+    "zb-h1": ("m ≥ p", lambda p, m, v: m >= p),
+    "zb-v": ("m ≥ 2p", lambda p, m, v: m >= 2 * p),
+    "dualpipev": ("m ≥ 2p", lambda p, m, v: m >= 2 * p),
+}
+
 
 def get_schedule(name: str) -> Generator:
     """The generator called ``name`` on the command line, e.g. ``"1f1b"``."""
@@ -211,6 +220,14 @@ def bubble_formula(name: str, p: int, m: int, chunks: int = 1) -> float:
     _check_sizes(p, m, chunks)
     get_schedule(name)
     return _BUBBLE_FORMULAS[name][1](p, m, chunks)
+
+
+def formula_assumption(name: str, p: int, m: int, chunks: int = 1) -> str | None:
+    """What `bubble_formula` assumes that ``(p, m, chunks)`` does not give (``"m ≥ 2p"`` for ZB-V with
+    m = 4 on 4 ranks), or None where the formula is exact: then only the simulated bubble is right."""
+    get_schedule(name)
+    text, holds = _FORMULA_ASSUMES.get(name, ("", lambda p, m, v: True))
+    return None if holds(p, m, chunks) else text
 
 
 def bubble_formula_text(name: str) -> str:

@@ -4,9 +4,10 @@ The page carries pipeclock's own schedules as data, every generator on a grid of
 and times them in JavaScript by the simulator's rules (`pipeclock.observe.simulate`, the rules of the
 program the engine runs: a rank runs its list in order and posts an action's receives when it reaches
 it; an action starts when the rank is free and its inputs, per `pipeclock.engine.actions.dependencies`,
-are there, a message leaving once both its ends are posted and taking the latency). Its figures are
-read as `pipeclock.observe.timeline.Timeline` reads them. Nothing is fetched: style, script and data are
-inline, so the page works from a file, offline.
+are there, a message leaving once both its ends are posted and taking the message cost). Its figures
+are read as `pipeclock.observe.timeline.Timeline` reads them; where a bubble formula assumes what the
+sizes do not give (ZB-V with m < 2p), the case says so, and the page puts that beside the formula.
+Nothing is fetched: style, script and data are inline, so the page works from a file, offline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock.engine.actions import Action, Schedule, placement_of
-from pipeclock.engine.generators import SCHEDULES, bubble_formula_text, chunks_of, generate, supports_chunks
+from pipeclock.engine.generators import (
+    SCHEDULES,
+    bubble_formula_text,
+    chunks_of,
+    formula_assumption,
+    generate,
+    supports_chunks,
+)
 
 PAGE_FILES = Path(__file__).resolve().parent / "explorer_page"
 
@@ -78,7 +86,9 @@ def schedule_data(grid: Grid = Grid()) -> dict:
             for p in range(1, grid.stages + 1):
                 for m in range(1, grid.microbatches + 1):
                     try:
-                        cases[f"{name}/{p}/{m}/{chunks}"] = schedule_case(generate(name, p, m, chunks))
+                        case = schedule_case(generate(name, p, m, chunks))
+                        assumed = formula_assumption(name, p, m, chunks)
+                        cases[f"{name}/{p}/{m}/{chunks}"] = case | ({"caveat": assumed} if assumed else {})
                     except ValueError as refused:
                         cases[f"{name}/{p}/{m}/{chunks}"] = {"error": str(refused)}
     schedules = {

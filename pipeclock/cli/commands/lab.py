@@ -133,9 +133,18 @@ def run(args: argparse.Namespace) -> int:
         check_lab_arguments(lab, lab_args)
     cmd, shown = command(lab, lab_args, nproc)
     print(f"$ {shown}", flush=True)
+    return _wait(subprocess.Popen(cmd, env=environment(nproc)))
+
+
+def environment(nproc: int) -> dict[str, str]:
+    """The lab's environment: the cores shared among its processes, and threads that sleep while they
+    wait for each other. OpenMP's threads otherwise spin: on a machine busy with other work, two threads
+    of one process then burn the core the other one needs, and a one-process lab's step was measured 17
+    times slower (docs/benchmarks.md). The user's own settings win."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return _wait(subprocess.Popen(cmd, env=env))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def _wait(lab: subprocess.Popen) -> int:

@@ -5,8 +5,8 @@
 
 const DATA = JSON.parse(document.getElementById("explorer-data").textContent);
 const OPS = ["F", "B", "I", "W"];
-const DEFAULTS = { schedule: "1f1b", compare: "zb-h1", p: 4, m: 8, chunks: 2, F: 1, B: 2, I: 1, W: 1, latency: 0 };
-const NUMBERS = ["p", "m", "chunks", "F", "B", "I", "W", "latency"];
+const DEFAULTS = { schedule: "1f1b", compare: "zb-h1", p: 4, m: 8, chunks: 2, F: 1, B: 2, I: 1, W: 1, message: 0 };
+const NUMBERS = ["p", "m", "chunks", "F", "B", "I", "W", "message"];
 const COUNTS = ["p", "m", "chunks"];
 
 // ---- the schedules, as pipeclock's generators wrote them
@@ -47,7 +47,8 @@ function lookUp(name, p, m, chunks) {
   if (found.error) return found;
   const digits = (m - 1).toString(36).length;
   const chunked = Math.max(...found.stages.map((held) => held.length)) > 1;
-  return { stages: found.stages, rows: found.rows.map((row) => parseRow(row, digits, chunked)) };
+  const rows = found.rows.map((row) => parseRow(row, digits, chunked));
+  return { stages: found.stages, rows, caveat: found.caveat || "" };
 }
 
 // ---- the simulator: pipeclock/observe/simulate.py, rule for rule (the program's rules)
@@ -76,12 +77,12 @@ function dependencies(action, rank, stages, owner) {
 }
 
 /**
- * The spans of `schedule` when op X costs `cost[X]` and a message `latency`; or {deadlock}. The rules of
+ * The spans of `schedule` when op X costs `cost[X]` and a message `message`; or {deadlock}. The rules of
  * the program the engine runs (pipeclock/engine/program.py): a rank posts the receives of an action (or
  * of an overlapped pair) when it reaches it; an action sends its output after its group ends; a message
- * leaves once both are posted and arrives `latency` later; within a rank, data is there when computed.
+ * leaves once both are posted and arrives `message` later; within a rank, data is there when computed.
  */
-function simulate(schedule, cost, latency) {
+function simulate(schedule, cost, message) {
   const { stages, rows } = schedule;
   const owner = [];
   stages.forEach((held, rank) => held.forEach((stage, chunk) => (owner[stage] = [rank, chunk])));
@@ -103,7 +104,7 @@ function simulate(schedule, cost, latency) {
         at = Math.max(at, done.get(key));
       } else {
         if (!sent.has(key)) return null;
-        at = Math.max(at, Math.max(sent.get(key), postedAt[rank]) + latency);
+        at = Math.max(at, Math.max(sent.get(key), postedAt[rank]) + message);
       }
     }
     return at;
@@ -218,9 +219,10 @@ function explore(name, state) {
   if (schedule.error) return { ...shown, error: schedule.error };
   const cost = {};
   for (const op of OPS) cost[op] = state[op] / chunks;
-  const run = simulate(schedule, cost, state.latency);
+  const run = simulate(schedule, cost, state.message);
   if (run.deadlock) return { ...shown, error: run.deadlock };
-  return { ...shown, run, figures: figuresOf(run), formula: formulaOf(name, state.p, state.m, chunks) };
+  const formula = { ...formulaOf(name, state.p, state.m, chunks), caveat: schedule.caveat };
+  return { ...shown, run, figures: figuresOf(run), formula };
 }
 
 // ---- the page
@@ -267,6 +269,8 @@ function figureList(shown) {
     ["makespan", number(f.makespan), f.makespan],
     ["bubble", percent(f.bubble), f.bubble],
     [`formula ${shown.formula.text}`, percent(shown.formula.value), shown.formula.value, "formula"],
+    ...(shown.formula.caveat ? [["but", `the formula assumes ${shown.formula.caveat}, not so here: ` +
+      "read the simulated bubble", shown.formula.caveat, "caveat"]] : []),
     ["vs ideal", `${percent(f.vsIdeal)} longer`, f.vsIdeal, "vs-ideal"],
     ["peak activations", f.peaks.map(number).join(" "), JSON.stringify(f.peaks), "peaks"],
   ];
@@ -380,7 +384,7 @@ function problemWith(state) {
   for (const key of COUNTS) {
     if (!Number.isInteger(state[key]) || state[key] < 1) return `${key} must be a whole number >= 1`;
   }
-  for (const key of [...OPS, "latency"]) {
+  for (const key of [...OPS, "message"]) {
     if (!Number.isFinite(state[key]) || state[key] < 0) return `the cost of ${key} must be a number >= 0`;
   }
   if (OPS.every((op) => state[op] === 0)) return "at least one cost must be above 0";

@@ -1,0 +1,214 @@
+"""Following the ranks of one ``lab N --check`` launch, and the verdict when something is wrong.
+
+The ranks (`check_rank`) report every call, every forward and backward, every fault. The watcher keeps,
+per rank, what it did last, what it waits for, and the actions of its current step; it raises `Verdict`
+at the first fault (the earliest cause among those seen within ``GRACE`` seconds), when every rank's
+step is over and one of them left the schedule (`order`), at a deadlock (no rank moved for ``STALL``
+seconds once all had started), or when a process is lost. A fault that a wrong order explains says so.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeclock.course.check_rank import CONSEQUENCE, ORDER, Fault
+from pipeclock.course.order import Lab, divergence, drawn, held_beyond, listed, next_in_schedule
+from pipeclock.engine.actions import Action
+
+STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
+SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
+START_LIMIT = 120.0  # seconds for the processes to start and load the file
+BETWEEN_STEPS = "for the others to"  # how a rank waiting between two steps says so
+GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
+
+
+class Verdict(Exception):
+    """The check's answer when something is wrong: ``str`` is the paragraph to print."""
+
+
+@dataclass
+class RankState:
+    started: bool = False
+    finished: bool = False
+    did: str = "nothing yet"
+    waits: str | None = None
+    m: int | None = None  # the current step's micro-batches
+    ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
+    done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
+
+    @property
+    def blocked(self) -> bool:
+        """Waiting in a call (or done): a rank that cannot move by itself."""
+        return self.finished or self.waits is not None
+
+    @property
+    def in_loop(self) -> bool:
+        """Waiting in one of the learner's calls, not between two steps."""
+        return self.waits is not None and not self.waits.startswith(BETWEEN_STEPS)
+
+
+@dataclass
+class Watch:
+    """One launch of ``world`` ranks checking ``lab_of(m)``'s order for each case."""
+
+    world: int
+    lab_of: Callable[[int], Lab]
+    states: list[RankState] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    first_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.states = [RankState() for _ in range(self.world)]
+
+    def ran(self, m: int) -> dict[int, list[Action]]:
+        return {rank: state.ran.get(m, []) for rank, state in enumerate(self.states)}
+
+    def follow(self, kind: str, rank: int, case, rest: list, now: float) -> None:
+        state = self.states[rank]
+        if kind == "fault":
+            self.add(rest[0], now)
+        elif kind == "lost":
+            where = "" if case is not None else " before its first step"
+            text = f"rank {rank} stopped{where}: {rest[0]}"
+            self.add(Fault(rank, case or _Nowhere(10**6), CONSEQUENCE, now, text), now)
+        elif kind == "started":
+            state.started = True
+        elif kind == "finished":
+            state.finished = True
+        elif kind == "begin":
+            state.m, state.did, state.waits = case.m, "started its step", None
+            state.ran[case.m] = []
+        elif kind == "computed":
+            state.ran.setdefault(case.m, []).append(Action(*rest[0]))
+        elif kind == "did":
+            state.did, state.waits = rest[0], None
+        elif kind == "waits":
+            state.waits = rest[0]
+        elif kind == "step done":
+            state.did, state.waits = "finished its step", None
+            state.done.add(case.m)
+            if all(case.m in s.done for s in self.states):
+                self.check_order(case.m, now)
+
+    def add(self, fault: Fault, now: float) -> None:
+        self.faults.append(fault)
+        self.first_at = self.first_at if self.first_at is not None else now
+
+    def check_order(self, m: int, now: float) -> None:
+        """Every rank's step with ``m`` micro-batches is over: its order and what it held, to the schedule."""
+        lab = self.lab_of(m)
+        ran = self.ran(m)
+        found = divergence(lab, ran, complete=True)
+        if found is None:
+            return
+        lines = [found[1]]
+        more = held_beyond(lab, ran)
+        if more:
+            lines.append(f"  {more}")
+        yours = [ran[rank] for rank in range(self.world)]
+        lines += beside(lab, yours)
+        self.add(Fault(found[0][1], _Nowhere(m), ORDER, now, "\n".join(lines)), now)
+
+    def verdict(self) -> str:
+        """The paragraph for the earliest fault; a wrong order it follows from is added below it."""
+        first = min(self.faults, key=lambda f: f.order)
+        if first.tier == ORDER:
+            return f"wrong order: {first.text}"
+        if isinstance(first.case, _Nowhere):
+            return f"wrong, with {self.world} ranks: {first.text}"
+        text = f"wrong, with {self.world} ranks and m = {first.case.m}: {first.text}"
+        found = divergence(self.lab_of(first.case.m), self.ran(first.case.m), complete=False)
+        return text + (f"\n  it follows from the order: {found[1]}" if found else "")
+
+
+@dataclass(frozen=True)
+class _Nowhere:
+    """The case of a fault that no rank's case names (an order found by the watcher, a lost process)."""
+
+    m: int
+
+
+def beside(lab: Lab, yours: list[list[Action]]) -> list[str]:
+    """The learner's order drawn above the schedule's, as `pipeclock schedule` draws (F = 1, B = 2)."""
+    head = "your loop's order, drawn as `pipeclock schedule` draws one (F = 1, B = 2; dots are idle):"
+    mine = drawn(yours) or listed(yours)
+    theirs = drawn(lab.rows()) or listed(lab.rows())
+    return [head, mine, f"{lab.name}'s order for the same p and m:", theirs]
+
+
+def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
+    """Follow the ranks until all finish; `Verdict` at the first fault, a deadlock or a lost process."""
+    seen = Watch(world, lab_of)
+    states = seen.states
+    started_at, moved_at = time.monotonic(), None
+    while not all(state.finished for state in states) or seen.faults:
+        try:
+            event = events.get(timeout=0.1)
+        except queue.Empty:
+            event = None
+        now = time.monotonic()
+        if event is not None:
+            kind, rank, case, *rest = event
+            seen.follow(kind, rank, case, rest, now)
+            if all(state.started for state in states):
+                moved_at = now  # any report is news: a rank that starts to wait was busy until then
+        if seen.faults and (now - seen.first_at > GRACE or all_stopped(states, processes)):
+            raise Verdict(seen.verdict())
+        if seen.faults:
+            continue
+        lost = [r for r, p in enumerate(processes) if not p.is_alive() and not states[r].finished]
+        if lost and event is None:
+            code = processes[lost[0]].exitcode
+            raise Verdict(f"rank {lost[0]} ended without finishing (exit code {code}), with {world} ranks")
+        if moved_at is not None and now - moved_at > STALL and stuck(states):
+            raise Verdict(deadlock(seen, now - moved_at))
+        if moved_at is not None and now - moved_at > SILENCE:  # a rank computes forever
+            raise Verdict(deadlock(seen, now - moved_at).replace("deadlock", "no progress", 1))
+        if moved_at is None and now - started_at > START_LIMIT:
+            raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
+    return seen
+
+
+def stuck(states: list[RankState]) -> bool:
+    """Every rank waits, and one of them in the learner's loop: ranks that all wait between steps are
+    only slow to get there (a busy machine), never stuck."""
+    return all(state.blocked for state in states) and any(state.in_loop for state in states)
+
+
+def all_stopped(states: list[RankState], processes) -> bool:
+    return all(not p.is_alive() or s.finished for s, p in zip(states, processes, strict=True))
+
+
+def deadlock(seen: Watch, still: float) -> str:
+    """Who waits for what, beside what the schedule runs there; the wrong order that led there, if any."""
+    states, world = seen.states, seen.world
+    m = next((s.m for s in states if s.m is not None), None)
+    shown = m if m is not None else "?"
+    lines = [f"deadlock, with {world} ranks and m = {shown}: no rank has moved for {still:.0f}s"]
+    lab = seen.lab_of(m) if m is not None else None
+    found = divergence(lab, seen.ran(m), complete=False) if lab else None
+    if found:
+        lines.append(f"  it follows from the order: {found[1]}")
+    for rank, state in enumerate(states):
+        peer = re.search(r"(from|to) rank (\d+)$", state.waits or "")
+        if peer and states[int(peer[2])].did == "finished its step":
+            never = "sending it" if peer[1] == "from" else "taking it"
+            lines.append(f"  rank {rank} waits {state.waits}, which finished its step without {never}")
+    lines.append("what each rank did last, what it waits for, and what the schedule runs there:")
+    for rank, state in enumerate(states):
+        expected = next_in_schedule(lab, rank, state.ran.get(m, [])) if lab else ""
+        lines.append(
+            f"  rank {rank}: last did: {state.did}; {_now_doing(state)}"
+            + (f"; {expected}" if expected else "")
+        )
+    return "\n".join(lines)
+
+
+def _now_doing(state: RankState) -> str:
+    if state.finished:
+        return "it is done"
+    return f"waits {state.waits}" if state.waits else "computes, in no message (an endless loop?)"
