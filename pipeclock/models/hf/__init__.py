@@ -30,6 +30,7 @@ from pipeclock.models.hf.build import (
 )
 from pipeclock.models.hf.stage import HFStage
 from pipeclock.models.hf.structure import Layout, NotUnderstood, find_layout
+from pipeclock.models.hf.tensor_plan import tp_plan
 from pipeclock.models.split import PlacementLike, resolve_placement, virtual_stages
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "load_weights",
     "loss",
     "split",
+    "tp_plan",
     "whole",
 ]
 

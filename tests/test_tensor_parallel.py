@@ -1,0 +1,399 @@
+"""Tensor parallel inside a stage: tp ranks share each stage, and the step is still one device's.
+
+On every layout (dp x pp x tp) and schedule tried, one step of the MLP, the GPT (tied embedding, padded
+token targets, dropout) and a Hugging Face Llama (grouped-query attention; untied, and tied) split by
+their own plans leaves the loss, every gradient (each split gradient gathered whole) and the gradient
+norm within 1e-5 relative of the whole model's on one process for the whole batch. Every schedule runs
+at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeclock import parallel, schedule
+from pipeclock.engine import program, rng
+from pipeclock.engine.generators import generate
+from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.ties import tie_key
+from pipeclock.models import gpt, mlp
+from pipeclock.parallel.mesh import mesh_layout, pipelines
+from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
+from tests.distributed import run_ok
+from tests.hf_cases import llama_config, padded_batch, reference
+from tests.jobs import LAUNCH_TIMEOUT, ROOT, Launch, losses_of
+
+TOLERANCE = 1e-5
+GPT_CONFIG = dict(dim=16, layers=2, heads=2, seq_len=8, seed=11)
+MLP_WIDTH, MLP_LAYERS = 16, 8  # two layers per virtual stage even on 2 ranks x 2 chunks: a pair each
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor gathered whole: a DTensor (split by tp, sharded by FSDP2) is a collective of its mesh."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def gaps(loss: float, want_loss: float, chunks, want: dict, pipe, mesh) -> dict[str, float]:
+    """How far the pipelined step is from one process: its loss, its worst gradient, its gradient norm."""
+    grads = [
+        relative_gap(whole(p.grad), want[tie_key(p) or name])
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+    ]
+    want_norm = torch.stack([g.norm() for g in want.values()]).norm().item()
+    norm = parallel.grad_norm(pipe, mesh)
+    return {
+        "loss": abs(loss - want_loss) / abs(want_loss),
+        "grad": max(grads),
+        "norm": abs(norm - want_norm) / want_norm,
+        "stages on another replica or tp rank": float(len(strangers(pipe.peers, mesh))),
+    }
+
+
+def strangers(peers: list[int], mesh) -> list[int]:
+    """The ranks of this rank's pipeline that are not its replica's ranks of its own tp index."""
+    tp, per_replica = mesh["tp"].size(), mesh["pp"].size() * mesh["tp"].size()
+    me = torch.distributed.get_rank()
+    return [p for p in peers if p % tp != me % tp or p // per_replica != me // per_replica]
+
+
+def token_batch(batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets where sample i ends in ``i % 5`` padding positions (ignored by the loss)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, 8), generator=generator)
+    targets = torch.randint(0, vocab, (batch, 8), generator=generator)
+    for sample in range(batch):
+        if sample % 5:
+            targets[sample, -(sample % 5) :] = -100
+    return ids, targets
+
+
+def pipeline(mesh, name: str, chunks, m: int, loss_fn, replicas=None):
+    if replicas is not None:
+        chunks = replicas.chunks
+    return schedule.Pipeline(chunks, name, m, loss_fn, group=mesh.get_group("pp"), replicas=replicas)
+
+
+def built(mesh, chunks, plan):
+    """The chunks split by tp, then replicas over dp (FSDP2) when the mesh has several."""
+    parallel.tensor_parallel(chunks, mesh, plan)
+    if mesh["dp"].size() == 1:
+        return chunks, None
+    replicas = parallel.data_parallel(chunks, mesh, "fsdp")
+    return replicas.modules, replicas
+
+
+def my_shard(mesh, *batch):
+    mine = parallel.shard_of(len(batch[0]), mesh["dp"].size(), parallel.dp_rank(mesh))
+    return [tensor[mine.start : mine.stop] for tensor in batch]
+
+
+def mlp_case(mesh, name: str, m: int) -> dict[str, float]:
+    pp, tp, chunks_per_rank = mesh["pp"].size(), mesh["tp"].size(), SCHEDULE_CHUNKS[name]
+    placement = PLACEMENT.get(name)
+    chunks = mlp.ShardedMLP.for_rank(
+        MLP_WIDTH, MLP_LAYERS, parallel.pp_rank(mesh), pp, chunks_per_rank, seed=3, placement=placement
+    )
+    stages = mlp.partition(MLP_LAYERS, pp * chunks_per_rank)
+    chunks, replicas = built(mesh, chunks, mlp.tp_plan(MLP_WIDTH, stages, tp))
+    generator = torch.Generator().manual_seed(m)
+    inputs, targets = (
+        torch.randn(2 * m + 1, MLP_WIDTH, generator=generator),
+        torch.randn(2 * m + 1, MLP_WIDTH, generator=generator),
+    )
+    pipe = pipeline(mesh, name, chunks, m, F.mse_loss, replicas)
+    loss = pipe.step(*my_shard(mesh, inputs, targets))
+    reference = mlp.full_mlp(MLP_WIDTH, MLP_LAYERS, seed=3)
+    want_loss = F.mse_loss(reference(inputs), targets)
+    want_loss.backward()
+    want = {
+        f"layers.{i // 2}.{n}": p.grad
+        for i, layer in enumerate(reference)
+        for n, p in layer.named_parameters()
+    }
+    return gaps(loss, want_loss.item(), chunks, want, pipe, mesh)
+
+
+def gpt_case(mesh, name: str, m: int, dropout: float = 0.2) -> dict[str, float]:
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    config = gpt.GPTConfig(**GPT_CONFIG, dropout=dropout)
+    chunks = gpt.GPT.for_rank(config, parallel.pp_rank(mesh), pp, SCHEDULE_CHUNKS[name], PLACEMENT.get(name))
+    chunks, replicas = built(mesh, chunks, gpt.tp_plan(config, tp))
+    ids, targets = token_batch(2 * m + 1, config.vocab_size, seed=m)
+    pipe = pipeline(mesh, name, chunks, m, TokenCrossEntropy(), replicas)
+    loss = pipe.step(*my_shard(mesh, ids, targets))
+    reference = gpt.gpt_sequential(config)
+    with rng.keyed(step=0, first_sample=0):
+        want_loss = TokenCrossEntropy().mean(reference(ids), targets)
+    want_loss.backward()
+    found = gaps(
+        loss, want_loss.item(), chunks, {n: p.grad for n, p in reference.named_parameters()}, pipe, mesh
+    )
+    if dropout:  # the masks matter: without them the loss is another
+        with rng.keyed(step=0, first_sample=0):
+            undropped = TokenCrossEntropy().mean(
+                gpt.gpt_sequential(gpt.GPTConfig(**GPT_CONFIG))(ids), targets
+            )
+        found["dropout changed the loss"] = float(abs(undropped.item() - loss) > 1e-3)
+    return found
+
+
+def llama_case(mesh, name: str, m: int, tied: bool = False) -> dict[str, float]:
+    from pipeclock.models import hf
+
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    config = llama_config(layers=2)
+    config.tie_word_embeddings = tied
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = hf.split(
+            config,
+            parallel.pp_rank(mesh),
+            pp,
+            chunks=SCHEDULE_CHUNKS[name],
+            placement=PLACEMENT.get(name),
+            seed=5,
+        )
+    chunks, replicas = built(mesh, split if isinstance(split, list) else [split], hf.tp_plan(config, tp))
+    (ids, mask), labels = padded_batch(2 * m + 1, 8, seed=m)
+    pipe = pipeline(mesh, name, chunks, m, hf.loss(), replicas)
+    shard_ids, shard_mask, shard_labels = my_shard(mesh, ids, mask, labels)
+    loss = pipe.step((shard_ids, shard_mask), shard_labels)
+    want_loss, want = reference(config, 5, (ids, mask), labels)
+    return gaps(loss, want_loss, chunks, want, pipe, mesh)
+
+
+CASES = {
+    "mlp": mlp_case,
+    "gpt": gpt_case,
+    "llama": llama_case,
+    "llama-tied": lambda mesh, name, m: llama_case(mesh, name, m, tied=True),
+}
+
+
+def layouts(rank: int, world: int, runs: list[tuple[int, int, list[tuple[str, str, int]]]]) -> dict:
+    """Each (dp, tp, cases) of ``runs`` on a mesh of its own: (model, schedule, m) -> its gaps."""
+    found = {}
+    for dp, tp, cases in runs:
+        mesh = parallel.init_mesh(dp, tp)
+        for model, name, m in cases:
+            found[(dp, mesh["pp"].size(), tp, model, name, m)] = CASES[model](mesh, name, m)
+    return found
+
+
+def refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
+    """What each bad plan or layout raises on this rank, and whether anything was split before it."""
+    from pipeclock.models import hf
+    from tests.hf_cases import gpt2_config
+
+    mesh = parallel.init_mesh(1, world)
+    config = gpt.GPTConfig(**GPT_CONFIG)
+
+    def attempt(make_plan, chunks=None) -> tuple[str, bool]:
+        chunks = chunks or gpt.GPT.for_rank(config, 0, 1)
+        try:
+            parallel.tensor_parallel(chunks, mesh, make_plan(), "--tp-plan bad.json")
+            return "accepted", True
+        except ValueError as error:
+            split = any(hasattr(p, "placements") for c in chunks for p in c.parameters())
+            return str(error), split
+
+    narrow = gpt.GPTConfig(**{**GPT_CONFIG, "vocab_size": 255})
+    three_heads = gpt.GPTConfig(**{**GPT_CONFIG, "dim": 12, "heads": 3})
+    llama = llama_config(layers=2)
+    llama.num_key_value_heads = 1
+    gpt2 = gpt2_config(layers=2)
+    return {
+        "absent module": attempt(lambda: {"h0.attn.q": "colwise", "h*.attn.qkv": "colwise"}),
+        "unknown style": attempt(lambda: {"h0.attn.q": "packed_colwise"}),
+        "not a Linear": attempt(lambda: {"h0.ln1": "colwise"}),
+        "tie split at one end": attempt(lambda: {"embed.wte": "embedding_rowwise"}),
+        "width": attempt(lambda: {"layers.0": "colwise"}, mlp.ShardedMLP.for_rank(15, 2, 0, 1)),
+        "mlp width": attempt(lambda: mlp.tp_plan(15, [range(2)], world)),
+        "heads": attempt(lambda: gpt.tp_plan(three_heads, world)),
+        "vocabulary": attempt(lambda: gpt.tp_plan(narrow, world)),
+        "no hf plan": attempt(lambda: hf.tp_plan(gpt2_config(), world)),
+        "key/value heads": attempt(lambda: hf.tp_plan(llama, world)),
+        "ddp": _ddp_refusal(mesh, config),
+        "a given plan for an HF model": attempt(
+            lambda: hf.tp_plan(gpt2, world, {"h.*.mlp.c_fc": "colwise"}), [hf.split(gpt2, 0, 1)]
+        ),
+    }
+
+
+def _ddp_refusal(mesh, config) -> tuple[str, bool]:
+    chunks = parallel.tensor_parallel(gpt.GPT.for_rank(config, 0, 1), mesh, gpt.tp_plan(config, 2))
+    try:
+        parallel.data_parallel(chunks, mesh, "ddp")
+        return "accepted", True
+    except ValueError as error:
+        return str(error), False
+
+
+TP2 = [(1, 2, [("mlp", "1f1b", 3), ("gpt", "gpipe", 3), ("llama", "1f1b", 2), ("llama-tied", "zb-h1", 3)])]
+
+
+def on_two_ranks(rank: int, world: int) -> tuple[dict, dict]:
+    return layouts(rank, world, TP2), refusals(rank, world)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[dict, dict]]:
+    """One launch of two processes for both tests at tp 2 (starting processes is the slow part)."""
+    return run_ok(on_two_ranks, 2, deadline=600)
+
+
+def test_a_bad_plan_or_layout_is_one_line_on_every_rank_before_anything_is_split(two_ranks):
+    expected = {
+        "absent module": "--tp-plan bad.json names h*.attn.qkv, which the model does not have",
+        "unknown style": "--tp-plan bad.json asks for 'packed_colwise', which pipeclock does not translate",
+        "not a Linear": "--tp-plan bad.json splits h0.ln1 (colwise), a LayerNorm: only nn.Linear and",
+        "tie split at one end": "splits the tied weight embed.wte.weight differently where it is used",
+        "width": "--tp 2 does not divide the 15 output features of layers.0 (colwise splits them)",
+        "mlp width": "--tp 2 does not divide the MLP's width 15 (--hidden)",
+        "heads": "--tp 2 does not divide the GPT's 3 attention heads (--heads)",
+        "vocabulary": "--tp 2 does not divide the GPT's vocabulary of 255",
+        "no hf plan": "GPT2Config has no tensor-parallel plan (its base_model_tp_plan is empty): give one "
+        "with --tp-plan FILE",
+        "key/value heads": "--tp 2 does not divide the model's 1 key/value heads",
+        "ddp": "DDP cannot hold tensor-parallel parameters",
+        "a given plan for an HF model": "splits transformer.h.0.mlp.c_fc (colwise), a Conv1D: only nn.Linear",
+    }
+    for rank, (_, found) in enumerate(two_ranks):
+        for case, (message, split) in found.items():
+            assert expected[case] in message and "\n" not in message and not split, (rank, case, message)
+            if case in (
+                "absent module",
+                "unknown style",
+                "not a Linear",
+                "tie split at one end",
+                "width",
+                "ddp",
+            ):
+                assert message.startswith(f"rank {rank}: "), message
+
+
+def check(world: int, runs, per_rank=None) -> None:
+    per_rank = per_rank or run_ok(layouts, world, runs, deadline=600)
+    assert len(per_rank[0]) == sum(len(cases) for _, _, cases in runs)
+    worst = {case: {k: max(r[case][k] for r in per_rank) for k in per_rank[0][case]} for case in per_rank[0]}
+    bad = {
+        case: found
+        for case, found in worst.items()
+        if any(v > TOLERANCE for k, v in found.items() if k != "dropout changed the loss")
+        or found.get("dropout changed the loss", 1.0) != 1.0
+    }
+    assert not bad, f"(dp, pp, tp) steps differ from one process in {len(bad)} of {len(worst)} cases: {bad}"
+
+
+def test_tp2_gives_the_one_process_loss_gradients_and_norm_for_the_mlp_the_gpt_and_llama(two_ranks):
+    check(2, TP2, [found for found, _ in two_ranks])
+
+
+def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm():
+    at_pp2 = [
+        ("llama", "naive", 2),
+        ("mlp", "gpipe", 3),
+        ("gpt", "1f1b", 3),
+        ("llama-tied", "1f1b", 3),
+        ("llama", "interleaved-1f1b", 2),
+        ("mlp", "zb-h1", 3),
+        ("gpt", "zb-v", 3),
+        ("mlp", "dualpipev", 2),
+        ("llama", "dualpipev", 3),
+    ]
+    dp2 = [("mlp", "1f1b", 2), ("gpt", "1f1b", 3), ("llama", "zb-h1", 2)]
+    assert {name for _, name, _ in at_pp2} == set(SCHEDULE_CHUNKS)
+    check(4, [(1, 2, at_pp2), (2, 2, dp2)])
+
+
+@pytest.mark.slow
+def test_dp2_x_pp2_x_tp2_on_eight_processes_gives_the_one_process_loss_gradients_and_norm():
+    check(8, [(2, 2, [("mlp", "gpipe", 2), ("gpt", "zb-v", 3), ("llama-tied", "1f1b", 2)])])
+
+
+def test_tp_rank_t_of_stage_s_exchanges_with_tp_rank_t_of_the_stages_beside_it_and_the_program_says_so():
+    programs = program.lower(generate("1f1b", 2, 2))
+    layout = mesh_layout(8, dp=2, tp=2)  # rank = 4 dp + 2 stage + tp
+    on_mesh = {}
+    for ranks in pipelines(8, dp=2, tp=2):
+        on_mesh.update(zip(ranks, program.on_ranks(programs, ranks), strict=True))
+    for rank, runs in on_mesh.items():
+        d, s, t = (int(i) for i in (layout == rank).nonzero()[0])
+        assert {i.peer for i in runs if i.kind in program.MESSAGES} == {int(layout[d, 1 - s, t])}
+    names = [f"rank {r}" for r in range(8)]
+    text = program.describe([on_mesh[r] for r in range(8)], names=names).splitlines()
+    assert text[6] == (
+        "rank 6: SIZES AGREE 1RECV_F0<-4 1F0 1B0 1SEND_B0->4 1RECV_F1<-4 1F1 1B1 1SEND_B1->4 LOSS"
+    )
+
+
+GPT_RUN = "--model gpt --dim 32 --layers 2 --heads 2 --seq-len 32 --batch-size 6 --microbatches 2"
+GPT_RUN += " --dropout 0.1 --steps 5 --eval-batches 1 --eval-every 0 --clip-grad-norm 0.5"
+
+
+def test_train_tp2_follows_the_one_process_run_step_by_step(tmp_path):
+    """The main job at tp 2, Adam and clipping on split parameters, the tie and dropout: every step's
+    loss is the one-process run's."""
+    flags = ["train", *GPT_RUN.split()]
+    split = Launch(tmp_path / "tp2", 2, [*flags, "--tp", "2", "--losses", str(tmp_path / "tp2.json")])
+    alone = [sys.executable, "-m", "pipeclock", *flags, "--losses", str(tmp_path / "one.json")]
+    one = subprocess.run(alone, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    assert "x tp 2" in split.result().splitlines()[0]
+    _, want = losses_of(tmp_path / "one.json")
+    _, got = losses_of(tmp_path / "tp2.json")
+    assert len(got) == len(want) == 5
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < TOLERANCE, (got, want)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_pp2_x_tp2_resumes_at_pp4_and_at_tp2_x_pp1_and_exports_whole(tmp_path):
+    """DCP saves each rank's shards of the split parameters with their place in the whole; any layout
+    whose tp splits the model reads its own shards back: the next losses are the uninterrupted run's."""
+    flags = ["train", *GPT_RUN.replace("--steps 5", "").split()]
+    saved, more = [*flags, "--steps", "3"], [*flags, "--steps", "5", "--resume", str(tmp_path / "ck")]
+
+    def losses(name: str) -> str:
+        return str(tmp_path / f"{name}.json")
+
+    first = Launch(tmp_path / "a", 4, [*saved, "--tp", "2", "--checkpoint-dir", str(tmp_path / "ck")])
+    alone = [sys.executable, "-m", "pipeclock", *flags, "--steps", "5", "--losses", losses("one")]
+    one = subprocess.run(alone, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    first.result()
+    runs = {
+        "pp4": Launch(
+            tmp_path / "b", 4, [*more, "--checkpoint-dir", str(tmp_path / "b"), "--losses", losses("pp4")]
+        ),
+        "tp2": Launch(
+            tmp_path / "c",
+            2,
+            [*more, "--tp", "2", "--checkpoint-dir", str(tmp_path / "c"), "--losses", losses("tp2")],
+        ),
+    }
+    _, want = losses_of(tmp_path / "one.json")
+    for name, run in runs.items():
+        assert "saved by 2 stage(s) x tp 2" in run.result(), name
+        first_step, got = losses_of(Path(losses(name)))
+        assert first_step == 3 and len(got) == 2, (name, first_step, got)
+        assert max(abs(g - w) / abs(w) for g, w in zip(got, want[3:], strict=True)) < TOLERANCE, (name, got)
+    export = subprocess.run(
+        [sys.executable, "-m", "pipeclock", "export", str(tmp_path / "ck"), str(tmp_path / "whole.pt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    config = gpt.GPTConfig(dim=32, layers=2, heads=2, seq_len=32, dropout=0.1, seed=0)
+    whole = gpt.gpt_sequential(config)
+    whole.load_state_dict(torch.load(tmp_path / "whole.pt"), strict=True)  # every tensor, whole-sized
