@@ -54,11 +54,11 @@ class Placement:
     def num_ranks(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def num_virtual(self) -> int:
         return sum(len(rank) for rank in self.stages)
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         """The most chunks any rank holds."""
         return max(len(rank) for rank in self.stages)

@@ -102,6 +102,7 @@ def _lower_rank(
     program: Program = [Instruction("SIZES")]
     posted: set[Instruction] = set()
     last_backward = _last_backwards(actions)
+    forward_at = {(a.microbatch, a.chunk): i for i, a in enumerate(actions) if a.op == "F"}
     groups = _groups(actions)
 
     def post(group: int, computed: int) -> None:
@@ -110,7 +111,8 @@ def _lower_rank(
             receive = _receive_for(rank, actions[index], placement)
             if receive is None or receive in posted:
                 continue
-            if receive.kind == "RECV_B" and not _forward_done(actions, index, computed):
+            key = (actions[index].microbatch, actions[index].chunk)
+            if receive.kind == "RECV_B" and forward_at.get(key, computed) >= computed:
                 continue  # the gradient's shape is the output's: posted once the forward ran
             posted.add(receive)
             program.append(receive)
@@ -178,11 +180,6 @@ def _groups(actions: list[Action]) -> list[list[int]]:
         groups.append(list(range(index, index + size)))
         index += size
     return groups
-
-
-def _forward_done(actions: list[Action], index: int, computed: int) -> bool:
-    action = actions[index]
-    return Action("F", action.microbatch, action.chunk) in actions[:computed]
 
 
 def _last_backwards(actions: list[Action]) -> dict[int, int]:
