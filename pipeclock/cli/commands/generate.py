@@ -39,7 +39,7 @@ from pipeclock.cli.arguments import (
 )
 from pipeclock.comm_errors import CommError
 from pipeclock.generation.decode_program import simulate
-from pipeclock.generation.pipeline import Outcome, Settings, StageRunner, split_groups
+from pipeclock.generation.pipeline import TIMED_TOKENS, Outcome, Settings, StageRunner, split_groups
 from pipeclock.generation.stage_model import StageModel
 from pipeclock.models.registry import describe, run_tokens
 from pipeclock.models.sampling import sample
@@ -271,7 +271,7 @@ def timelines(
     every: list[Outcome], world: int, groups: list[list[int]], tokens: int
 ) -> tuple[Timeline, Timeline]:
     """The measured timeline of every rank, and the engine's simulator's for the same decode program, in
-    seconds."""
+    seconds: of the first ``TIMED_TOKENS`` tokens, those the spans keep."""
     measured = Timeline([span for outcome in every for span in outcome.spans], world)
     sizes = [len(group) for group in groups]
     per_prompt = (
@@ -279,5 +279,5 @@ def timelines(
         if measured.spans
         else 0.0
     )
-    predicted = simulate(world, sizes, tokens, per_prompt)
+    predicted = simulate(world, sizes, min(tokens, TIMED_TOKENS), per_prompt)
     return measured, predicted
