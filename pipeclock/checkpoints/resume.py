@@ -29,7 +29,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.checkpoints import choice as checkpoint_choice
-from pipeclock.models.registry import describe, same_model
+from pipeclock.models.registry import describe, differences, same_model
 
 # The training settings a checkpoint records and a resumed run may change. The stage and replica counts
 # are reported on their own line; how often to save or validate is no part of the training. ``chunks`` is
@@ -88,7 +88,11 @@ def check_same_model(found: Path, saved: dict, wanted: dict) -> None:
         saved_model, wanted_model = describe(saved), describe(wanted)
         if saved_model.split()[0] == wanted_model.split()[0]:  # same kind: say only the sizes
             wanted_model = wanted_model.split(" ", 1)[1]
-        raise ValueError(f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}")
+        fields = "; ".join(differences(saved, wanted))
+        raise ValueError(
+            f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}"
+            + (f" ({fields})" if fields else "")
+        )
 
 
 def check_no_newer(config, found: Path) -> None:
