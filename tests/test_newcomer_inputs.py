@@ -110,3 +110,112 @@ def test_a_tokenizer_that_no_longer_fits_the_model_is_one_line(tmp_path):
     assert wanted in one_line(*generated[::2], "pipeclock generate: error: ")
     exported = run_command("export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
     assert wanted in one_line(*exported[::2], "pipeclock export: error: ")
+
+
+# --- train: refusals that name what is wrong --------------------------------------------------------------
+
+
+def test_a_resume_refused_for_another_size_names_the_field(tmp_path):
+    tiny = ["train", "--layers", "2", "--steps", "1", "--batch-size", "2", "--checkpoint-dir", str(tmp_path)]
+    assert run_command(*tiny, "--hidden", "8")[0] == 0
+    code, _, err = run_command(*tiny, "--hidden", "12", "--resume")
+    assert one_line(code, err, "pipeclock train: error: ").endswith(
+        "holds a ShardedMLP 2 x 8, not 2 x 12 (--hidden 8, not 12)"
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_configs(tmp_path_factory) -> Path:
+    """Tiny configs: a GPT-2 with attention dropout, and a BERT (an encoder)."""
+    from transformers import BertConfig, GPT2Config
+
+    root = tmp_path_factory.mktemp("configs")
+    small = dict(vocab_size=300, bos_token_id=0, eos_token_id=0)
+    GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, attn_pdrop=0.1, **small).to_json_file(
+        root / "gpt2.json"
+    )
+    BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, **small
+    ).to_json_file(root / "bert.json")
+    return root
+
+
+HF_TINY = ["--model", "hf", "--steps", "1", "--seq-len", "8", "--batch-size", "2", "--microbatches", "1",
+           "--eval-batches", "1"]  # fmt: skip
+
+
+def test_an_encoder_config_is_refused_as_not_a_causal_lm(hf_configs):
+    code, _, err = run_command("train", *HF_TINY, "--hf-config", str(hf_configs / "bert.json"))
+    message = one_line(code, err, "pipeclock train: error: ")
+    assert "BertConfig describes an encoder model (bert): encoder models are not causal LMs" in message
+
+
+def test_hf_config_and_hf_model_together_are_refused_as_two_sources(hf_configs):
+    code, _, err = run_command(
+        "train", *HF_TINY, "--hf-config", str(hf_configs), "--hf-model", str(hf_configs)
+    )
+    assert "--hf-config and --hf-model both name the model: give one" in one_line(
+        code, err, "pipeclock train: error: "
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(hf_configs) -> tuple[Path, str]:
+    """A one-step GPT-2 checkpoint (its config asks for attention dropout), and what training printed."""
+    directory = hf_configs / "run"
+    code, _, err = run_command("train", *HF_TINY, "--hf-config", str(hf_configs / "gpt2.json"),
+                               "--checkpoint-dir", str(directory))  # fmt: skip
+    assert code == 0, err
+    return directory, err
+
+
+def test_turning_attention_dropout_off_is_said_once_in_one_line(gpt2_run):
+    _, err = gpt2_run
+    said = [line for line in err.splitlines() if "attention dropout" in line]
+    assert said == [
+        "pipeclock train: warning: GPT2Config.attn_pdrop = 0.1: attention dropout cannot be made exact "
+        "across stages, so it is turned off (other dropout stays, keyed)"
+    ], err
+    assert "Warning:" not in err and ".py:" not in err, err
+
+
+# --- export -------------------------------------------------------------------------------------------
+
+
+def test_an_exported_model_folder_follows_the_umask_like_any_other_file(gpt2_run, tmp_path):
+    mask = os.umask(0o027)  # a mask that differs from what safetensors writes (0600) and from the usual
+    try:
+        assert run_command("export", str(gpt2_run[0]), "--hf", str(tmp_path / "out"))[0] == 0
+    finally:
+        os.umask(mask)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
+
+
+_FULL_DISK = """
+set -e
+mkdir -p {full}
+mount -t tmpfs -o size=64k tmpfs {full}
+{python} -m pipeclock export {run} {full}/model.pt || echo "exit $?" >&2
+ls -A {full}
+"""
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_truncated_file(tmp_path):
+    """The state_dict (132 KB) does not fit the 64 KB disk: no partial file stays, and the line says so."""
+    if os.geteuid() != 0 or subprocess.run(["which", "unshare"], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root and unshare")
+    flags = ["--hidden", "128", "--layers", "2", "--steps", "1", "--batch-size", "2"]
+    assert run_command("train", *flags, "--checkpoint-dir", str(tmp_path / "run"))[0] == 0
+    script = _FULL_DISK.format(full=tmp_path / "full", python=sys.executable, run=tmp_path / "run")
+    ran = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)  # fmt: skip
+    if ran.returncode != 0 and "mount" in ran.stderr:
+        pytest.skip(f"this machine does not allow the mount: {ran.stderr.strip()}")
+    assert ran.stdout == "", "the folder must be left empty: " + ran.stdout
+    error, code = ran.stderr.splitlines()
+    assert code == "exit 1" and "Traceback" not in ran.stderr, ran.stderr
+    assert error == (
+        f"pipeclock export: error: writing {tmp_path}/full/model.pt failed: its disk is full (it had 65.5 KB "
+        "free, the model needs 132 KB); nothing was written"
+    )
