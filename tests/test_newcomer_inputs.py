@@ -10,6 +10,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,13 +116,39 @@ def test_a_tokenizer_that_no_longer_fits_the_model_is_one_line(tmp_path):
 # --- train: refusals that name what is wrong --------------------------------------------------------------
 
 
-def test_a_resume_refused_for_another_size_names_the_field(tmp_path):
-    tiny = ["train", "--layers", "2", "--steps", "1", "--batch-size", "2", "--checkpoint-dir", str(tmp_path)]
-    assert run_command(*tiny, "--hidden", "8")[0] == 0
-    code, _, err = run_command(*tiny, "--hidden", "12", "--resume")
+MLP = ["--layers", "2", "--steps", "1", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory) -> Path:
+    """A one-step ShardedMLP checkpoint, 2 x 8."""
+    directory = tmp_path_factory.mktemp("mlp") / "run"
+    code, _, err = run_command("train", *MLP, "--hidden", "8", "--checkpoint-dir", str(directory))
+    assert code == 0, err
+    return directory
+
+
+def test_a_resume_refused_for_another_size_names_the_field(mlp_run, tmp_path):
+    code, _, err = run_command("train", *MLP, "--hidden", "12", "--checkpoint-dir", str(tmp_path), "--resume",
+                               str(mlp_run))  # fmt: skip
     assert one_line(code, err, "pipeclock train: error: ").endswith(
         "holds a ShardedMLP 2 x 8, not 2 x 12 (--hidden 8, not 12)"
     )
+
+
+def test_refusals_exit_with_2_as_the_readme_says(mlp_run, tmp_path):
+    """A checkpoint --resume names that is not there or damaged, and a lab that does not exist, are
+    refused as any value that cannot work is (export and generate already said 2 for the same)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(mlp_run, damaged)
+    for shard in damaged.rglob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    into = ["--checkpoint-dir", str(tmp_path / "new")]
+    for resume, said in ((tmp_path / "nowhere", "it does not exist"), (damaged, "is damaged")):
+        code, _, err = run_command("train", *MLP, "--hidden", "8", *into, "--resume", str(resume))
+        assert said in one_line(code, err, "pipeclock train: error: ")
+    code, _, err = run_command("lab", "99")
+    assert "no lab 99" in one_line(code, err, "pipeclock lab: error: ")
 
 
 @pytest.fixture(scope="module")

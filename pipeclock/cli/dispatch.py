@@ -95,8 +95,9 @@ def _run_warnings_as_lines(prog: str) -> Iterator[None]:
 
 
 def _exit_code(done: SystemExit) -> int:
-    """What ``sys.exit`` would make of ``done``, returned instead: ``main`` can be called in-process."""
+    """What ``sys.exit`` would make of ``done``, returned instead: ``main`` can be called in-process;
+    but a command's exit with a message (no lab 99, no checkout) is a refusal, so 2, not Python's 1."""
     if isinstance(done.code, str):
         print(done.code, file=sys.stderr)
-        return 1
+        return 2
     return int(done.code or 0)
