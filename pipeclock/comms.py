@@ -83,6 +83,10 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
             dist.init_process_group(backend, timeout=limit)
         except dist.DistError as error:  # the store's timeouts: a rank or the store never came
             raise _not_joined(error, timeout) from None
+        except RuntimeError as error:  # gloo's own: every rank came to the store, not every link formed
+            if "connectFullMesh" not in str(error):
+                raise
+            raise _not_connected(error, timeout) from None
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
     if backend != "nccl":
@@ -114,6 +118,17 @@ def _not_joined(error: dist.DistError, timeout: float) -> CommTimeoutError:
     return CommTimeoutError(
         f"rank {rank}: waited {timeout:g}s for {waited}; did all {world} ranks start (WORLD_SIZE={world}: "
         "--nnodes x --nproc-per-node), with the same world size on every node?"
+    )
+
+
+def _not_connected(error: RuntimeError, timeout: float) -> CommTimeoutError:
+    """Gloo's links between the ranks, after the store, did not form: too short a timeout, or a peer that
+    left meanwhile (refused); in the launcher's terms, not gloo's source locations."""
+    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    cause = "a peer refused: it had stopped already" if "refused" in str(error) else "no answer in time"
+    return CommTimeoutError(
+        f"rank {rank}: the {world} ranks met but could not connect to each other within {timeout:g}s "
+        f"({cause}); is --timeout long enough, and did every rank start?"
     )
 
 

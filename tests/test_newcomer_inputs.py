@@ -246,3 +246,50 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_truncated_file(tmp
         f"pipeclock export: error: writing {tmp_path}/full/model.pt failed: its disk is full (it had 65.5 KB "
         "free, the model needs 132 KB); nothing was written"
     )
+
+
+# --- under torchrun -------------------------------------------------------------------------------------
+
+
+def test_the_static_rendezvous_is_warned_about_with_what_fixes_it(tmp_path):
+    """torchrun without --standalone keeps one store for every restart whatever
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE says (the README's recipe once did so): the warning names the fix."""
+    from tests.distributed import free_port
+    from tests.jobs import Launch
+
+    static = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    job = Launch(tmp_path / "static", 1, ["train", *MLP, "--hidden", "8"], restarts=1, rendezvous=static)
+    job.result()
+    warned = [
+        line for line in job.err.read_text().splitlines() if line.startswith("pipeclock train: warning")
+    ]
+    assert len(warned) == 1 and "static rendezvous" in warned[0], job.err.read_text()
+    assert "launch with --standalone on one machine" in warned[0]
+
+
+def test_each_way_torchrun_keeps_its_store_gets_its_own_advice():
+    from pipeclock.cli.commands.train import restart_warning
+
+    launched = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    shared = restart_warning({**launched, "TORCHELASTIC_RUN_ID": "9f0c"})  # --standalone, variable unset
+    assert shared and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared and "static" not in shared
+    assert "static rendezvous" in restart_warning({**launched, "TORCHELASTIC_RUN_ID": "none"})
+    assert restart_warning({**launched, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # the fix
+    assert restart_warning({**launched, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restart
+
+
+def test_a_process_group_that_cannot_form_in_time_is_one_line_per_rank(tmp_path):
+    """``--timeout 0.01``: the store's wait or gloo's own connections time out, by chance; either way each
+    rank says so in one line, and no traceback. Three jobs at once, for both ways to come up."""
+    from tests.jobs import Launch
+
+    flags = ["train", *MLP, "--hidden", "8", "--timeout", "0.01"]
+    jobs = [Launch(tmp_path / f"job{n}", 2, flags, rank_logs=tmp_path / f"ranks{n}") for n in range(3)]
+    for job in jobs:
+        job.proc.wait(timeout=240)
+    logs = sorted(tmp_path.glob("ranks*/*/attempt_0/*/stderr.log"))
+    assert len(logs) == 6
+    for log in logs:
+        text = log.read_text()
+        said = [line for line in text.splitlines() if line.startswith("pipeclock train: error: rank ")]
+        assert len(said) == 1 and "Traceback" not in text, text
