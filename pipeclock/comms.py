@@ -78,6 +78,8 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     comm_blame.start_group()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            check_gpus(int(os.environ["RANK"]), local_ranks, torch.cuda.device_count())
             torch.cuda.set_device(_local_rank())
         try:
             dist.init_process_group(backend, timeout=limit)
@@ -94,6 +96,17 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     if backend == "nccl":  # one communicator per directed neighbour pair (pipeclock.comm_channels)
         comm_channels.add_channels([list(range(dist.get_world_size()))])
     return dist.get_rank(), dist.get_world_size()
+
+
+def check_gpus(rank: int, local_ranks: int, gpus: int) -> None:
+    """Under nccl each rank on a machine takes a GPU of its own: ``ValueError`` before anything starts when
+    the machine runs more ranks than it shows GPUs, naming both numbers and what to do."""
+    if local_ranks > gpus:
+        raise ValueError(
+            f"rank {rank}: {local_ranks} ranks on this machine (--nproc-per-node) but {gpus} GPU(s) visible: "
+            f"nccl needs a GPU per rank; start at most {gpus} rank(s) per machine, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+        )
 
 
 def _not_joined(error: dist.DistError, timeout: float) -> CommTimeoutError:

@@ -317,3 +317,17 @@ def test_ctrl_c_and_torchrun_s_sigterm_at_once_end_a_lab_with_its_one_line():
     ran = subprocess.run([sys.executable, "-c", BOTH_SIGNALS_AT_ONCE], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)  # fmt: skip
     assert (ran.returncode, ran.stderr) == (130, "rank 0: interrupted\n")
+
+
+def test_more_ranks_than_gpus_under_nccl_is_one_line_naming_both_numbers_and_the_way_out():
+    """Two ranks on a machine with one GPU: refused before nccl starts (run on a GPU, this was a
+    traceback from comms.init). The check takes the GPU count, so it runs here without one."""
+    from pipeclock import comms
+
+    with pytest.raises(ValueError) as caught:
+        comms.check_gpus(rank=1, local_ranks=2, gpus=1)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("rank 1: 2 ranks on this machine")
+    assert "but 1 GPU(s) visible" in message and "start at most 1 rank(s) per machine" in message
+    assert "CUDA_VISIBLE_DEVICES=" in message
+    comms.check_gpus(rank=0, local_ranks=2, gpus=2)  # a GPU each: nothing to say
