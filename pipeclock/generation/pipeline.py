@@ -121,7 +121,7 @@ class StageRunner:
         decoding: Decoding = GPT_DECODING,
     ) -> None:
         self.pieces, self.settings, self.decoding = pieces.eval(), settings, decoding
-        self.rank, self.world = comms.get_rank(), comms.get_world_size()
+        self.rank, self.world, self.device = comms.get_rank(), comms.get_world_size(), comms.device()
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self.groups = [[self._lane(i, prompts[i]) for i in group] for group in groups]
         self.receiving: dict[tuple[int, int], comms.PendingRecv] = {}  # (stage, group): a posted receive
@@ -177,7 +177,8 @@ class StageRunner:
                 self._sample(lane, logits) for lane, logits in zip(self.groups[group], outputs, strict=True)
             ]
         else:
-            header = torch.tensor([[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds])
+            sizes = [[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds]
+            header = torch.tensor(sizes, dtype=torch.int64, device=self.device)
             hidden = [out for out in outputs if out is not None]
             handed = (header, torch.cat(hidden, dim=1) if hidden else None)
         if token < self.settings.tokens - 1 or not self.last:  # the last bytes: nobody needs them again
@@ -197,7 +198,7 @@ class StageRunner:
         group = instruction.microbatch
         handed = self.outputs.pop((instruction.stage, group))
         if self.last:
-            sampled = torch.tensor(handed, dtype=torch.int64)
+            sampled = torch.tensor(handed, dtype=torch.int64, device=self.device)
             self.sends.append(comms.isend(sampled, instruction.peer, _BYTES, f"the bytes of group {group}"))
             return
         header, hidden = handed
@@ -253,7 +254,7 @@ class StageRunner:
         reset = token == 0 or moved != lane.start or not self.settings.cache
         lane.start = moved
         fed = lane.ids[moved:] if reset else lane.ids[-1:]
-        return reset, torch.tensor(fed, dtype=torch.int64)[None]
+        return reset, torch.tensor(fed, dtype=torch.int64, device=self.device)[None]
 
     # --- the forward, and what it hands on -------------------------------------------------------------
 

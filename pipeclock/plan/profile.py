@@ -115,7 +115,12 @@ class LayerCost:
 
 
 def profile(
-    spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2, dtype: str = "fp32"
+    spec: ModelSpec,
+    samples: int,
+    repeats: int = 5,
+    warmup: int = 2,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
 ) -> list[LayerCost]:
     """Every layer's costs for micro-batches of ``samples`` samples, each kind of layer measured once,
     one layer alive at a time: the least time of ``repeats`` runs after ``warmup`` runs (on a shared
@@ -123,10 +128,11 @@ def profile(
 
     With ``dtype="bf16"`` the forwards run under autocast, as the engine runs them: what a layer saves
     is then partly bf16 and partly float32 (what autocast keeps in float32), which no fixed ratio of the
-    float32 sizes predicts, and the times are bf16's.
+    float32 sizes predicts, and the times are bf16's. Everything is measured on ``device`` (default: the
+    CPU), where the layers and the batch are put: a GPU's times and its allocator's bytes.
     """
-    precision = parse_precision(dtype)
-    inputs, targets = spec.batch(samples)
+    precision, device = parse_precision(dtype), device or torch.device("cpu")
+    inputs, targets = (pytree.tree_map(lambda t: t.to(device), part) for part in spec.batch(samples))
     measured: dict[tuple[str, bool], LayerCost] = {}
     flowing = inputs
     for index in range(spec.num_layers):
@@ -134,9 +140,9 @@ def profile(
         if key in measured:
             continue
         alike = [i for i in range(index, spec.num_layers) if _measured_as(spec, i) == key][:ALIKE]
-        layers = [spec.build(i) for i in alike]
+        layers = [spec.build(i).to(device) for i in alike]
         last = index == spec.num_layers - 1
-        feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision)
+        feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision, device)
         cost, flowing = _measure(layers, feed, repeats, warmup)
         *checkpointed, weight_held = _checkpointed_saves(layers[0], feed)
         measured[key] = replace(
@@ -169,6 +175,7 @@ class _Feed:
     loss_fn: Callable
     first: bool
     precision: Precision
+    device: torch.device
 
 
 Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
@@ -185,7 +192,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
     """
     captures = [ParameterOutputs([layer]) for layer in alike]
     samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
-    with feed.precision.step_region(torch.device("cpu")):  # bf16: weights cast once, as in a step
+    with feed.precision.step_region(feed.device):  # bf16: weights cast once, as in a step
         for run in range(warmup + repeats):
             for split in (False, True):
                 forwards = [
@@ -298,19 +305,19 @@ def _forward(layer: nn.Module, feed: _Feed, capture: ParameterOutputs, accumulat
 
     if not accumulate:
         layer.zero_grad(set_to_none=True)
-    base = _memory.start()
-    start = _now()
-    autocast = feed.precision.autocast(torch.device("cpu"))
+    base = _memory.start(feed.device)
+    start = _now(feed.device)
+    autocast = feed.precision.autocast(feed.device)
     with into(saved, kept), capture.capture() as captured, autocast:
         output = layer(fed)
     kept += [t for c in captured for t in (c.input, c.output) if t is not None]
     if feed.targets is not None:
-        with into(loss_saved), feed.precision.autocast(torch.device("cpu")):
+        with into(loss_saved), feed.precision.autocast(feed.device):
             roots, grads = [feed.loss_fn(feed.precision.for_loss(output), feed.targets)], None
     else:
         roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
         grads = [torch.ones_like(leaf) for leaf in roots]
-    times = {"F": _now() - start}
+    times = {"F": _now(feed.device) - start}
     return _Forwarded(
         layer,
         feed,
@@ -331,22 +338,22 @@ def _forward(layer: nn.Module, feed: _Feed, capture: ParameterOutputs, accumulat
 
 
 def _backward(done: _Forwarded, split: bool) -> _Pass:
-    times, held = done.times, []
-    start = _now()
+    times, held, device = done.times, [], done.feed.device
+    start = _now(device)
     if split:
         with done.capture.rebuilding(done.captured):  # a checkpointed layer's modules hand their inputs over
             _, work = backward_input(
                 done.roots, done.grads, done.inputs, done.captured, done.capture.keeps_graph
             )
-        times["I"] = _now() - start
+        times["I"] = _now(device) - start
         held = held_tensors(work)
-        start = _now()
+        start = _now(device)
         backward_weight(work)
-        times["W"] = _now() - start
+        times["W"] = _now(device) - start
     else:
         backward_whole(done.roots, done.grads, done.inputs)
-        times["B"] = _now() - start
-        times["peak"] = _memory.peak() - done.base
+        times["B"] = _now(device) - start
+        times["peak"] = _memory.peak(device) - done.base
     if not done.accumulate:
         done.layer.zero_grad(set_to_none=True)
     targets = pytree.leaves(done.feed.targets) if done.feed.targets is not None else []
@@ -406,23 +413,23 @@ def _storage_bytes(record: _Pass, parameters: set[int]) -> int:
 
 
 class _Memory:
-    """The most memory allocated since ``start``: CUDA's own counter, or on a CPU the kernel's
+    """The most memory allocated since ``start``: CUDA's own counter on a GPU, or on a CPU the kernel's
     resident high-water mark (Linux), which sees large temporaries once the allocator returns freed
     blocks to the system (set ``MALLOC_MMAP_THRESHOLD_``); elsewhere 0."""
 
     _status = Path("/proc/self/status")
 
-    def start(self) -> int:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
+    def start(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return torch.cuda.memory_allocated(device)
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
         return self._read("VmRSS")
 
-    def peak(self) -> int:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.max_memory_allocated()
+    def peak(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device)
         return self._read("VmHWM")
 
     def _read(self, field: str) -> int:
@@ -436,7 +443,7 @@ class _Memory:
 _memory = _Memory()
 
 
-def _now() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # a measurement: the kernels queued so far are the time
+        torch.cuda.synchronize(device)
     return time.perf_counter()

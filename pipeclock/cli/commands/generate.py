@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         check_output(args.png, "--png")
     rank, world = comms.init(timeout=args.timeout)
     torch.set_num_threads(1)  # a decode step is a batch of one byte: more threads only wait for each other
-    pieces = model.build(rank, world)
+    pieces = model.build(rank, world).to(comms.device())  # a GPU of its own under nccl
     checkpoint.load_weights(path, [pieces])
     settings = Settings(
         tokens=args.tokens, seq_len=model.seq_len, dim=model.dim, temperature=args.temperature,
