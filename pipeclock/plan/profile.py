@@ -39,6 +39,7 @@ from pipeclock.engine.memory import is_parameter_cast
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import apply_recompute
 from pipeclock.engine.ties import tie_key
+from pipeclock.plan.cuda_memory import rounded
 from pipeclock.plan.model_specs import ModelSpec
 
 ALIKE = 4  # layers of one kind timed in turn (at most): enough to leave the caches as a stage does
@@ -89,6 +90,10 @@ class LayerCost:
     # (tie key, numbers) of each parameter tied to another layer's (``engine.ties``): a rank holding both
     # layers holds that tensor once
     tied: tuple[tuple[str, int], ...] = ()
+    # measured on a GPU: its compute capability (its cuBLAS workspace depends on it), and the bytes the
+    # CUDA caching allocator adds to one copy of the layer's parameters (each tensor rounded up to 512 B)
+    cuda_capability: tuple[int, int] | None = None
+    parameter_slack: int = 0
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -152,6 +157,7 @@ def profile(
             checkpointed=tuple(checkpointed),
             weight_held_checkpointed=weight_held,
             dtype=dtype,
+            cuda_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
         del layers
     return [replace(measured[_measured_as(spec, i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
@@ -209,7 +215,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
     parameters = {p.data_ptr() for p in layer.parameters()}
     peak = _one_pass(layer, feed, capture, split=False).times["peak"]
     record = _one_pass(layer, feed, capture, split=True)
-    sizes = _sizes(record, parameters)
+    sizes = _sizes(record, parameters, feed.device)
     gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
     kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
     workspace = max(0, round(peak) - kept)
@@ -229,6 +235,9 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
         weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
         workspace=workspace,
+        parameter_slack=sum(rounded(p.nbytes) - p.nbytes for p in layer.parameters())
+        if feed.device.type == "cuda"
+        else 0,
         **sizes,
     )
     return cost, pytree.tree_map(lambda t: t.detach(), record.output)
@@ -368,11 +377,14 @@ def _checkpointed_saves(layer: nn.Module, feed: _Feed) -> tuple[int, int, int, i
     recomputed = apply_recompute([layer], "every-1")
     parameters = {p.data_ptr() for p in layer.parameters()}
     record = _one_pass(layer, feed, ParameterOutputs([layer], recomputed), split=True)
-    sizes = _sizes(record, parameters)
+    sizes = _sizes(record, parameters, feed.device)
     return sizes["held"], sizes["keeps_input"], sizes["keeps_output"], sizes["weight_held"]
 
 
-def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
+def _sizes(record: _Pass, parameters: set[int], device: torch.device) -> dict[str, int]:
+    """What the layer holds, by the meter's rule; on a GPU each tensor as the allocator rounds it."""
+    block = rounded if device.type == "cuda" else (lambda nbytes: nbytes)
+
     def located(tensors) -> Located:
         return {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
 
@@ -381,7 +393,7 @@ def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
     new_outputs = outputs - inputs
 
     def total(items: Located) -> int:
-        return sum(nbytes for _, nbytes in items)
+        return sum(block(nbytes) for _, nbytes in items)
 
     targets = located(record.targets)
     loss_saved = {item for item in record.loss_saved if item[0] not in parameters} - outputs - targets
