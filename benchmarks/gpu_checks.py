@@ -11,8 +11,9 @@ then, with CUDA hidden (``CUDA_VISIBLE_DEVICES=``), the quick gloo sweep of ``be
 four-rank MLP run on the machine's cores. The page goes to ``benchmarks/results/gpu.md``.
 
 Without a GPU the same checks run at toy sizes, the GPU-only ones are listed as skipped, and the page
-goes to a temporary folder (the script's own test: ``tests/test_gpu_checks.py``). Every command has a
-timeout, and checks past ``--budget`` seconds are skipped, so the whole fits a device lease.
+goes to ``$TMPDIR/pipeclock-gpu-checks-cpu.md`` (the script's own test: ``tests/test_gpu_checks.py``).
+Every command has a timeout, and checks past ``--budget`` seconds are skipped, so the whole fits a
+device lease.
 """
 
 from __future__ import annotations
@@ -272,7 +273,10 @@ def checks(work: Path, gpu: bool) -> list[Check]:
         Check(
             "CUDA hidden: the quick gloo sweep of benchmarks.run",
             [module("benchmarks.run", *sweep, "--results-dir", results)],
-            lambda ran: (ran[0].code == 0, f"tables in {results}/gpu-machine-gloo.md"),
+            lambda ran: (
+                ran[0].code == 0,
+                f"tables in {results}/gpu-machine-gloo.md" if gpu else "toy sizes",
+            ),
             timeout=150,
             env=hidden,
         ),
@@ -320,34 +324,17 @@ def page(rows: list[tuple[str, str, float, str]], seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_checks", description=__doc__.splitlines()[0]
-    )
+    summary = __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_checks", description=summary)
     parser.add_argument("--out", type=Path, help="the page (default: benchmarks/results/gpu.md with a GPU)")
     parser.add_argument("--budget", type=float, default=285.0, help="seconds; later checks are skipped")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
-    work = Path(tempfile.mkdtemp(prefix="pipeclock-gpu-checks-"))
-    out = args.out or (ROOT / "benchmarks" / "results" / "gpu.md" if gpu else work / "gpu-checks-cpu.md")
-    _write_llama(work / "llama.json", LLAMA_166M if gpu else LLAMA_TOY)
-    began, rows = time.monotonic(), []
-    for check in checks(work, gpu):
-        left = args.budget - (time.monotonic() - began)
-        if left < 5:
-            rows.append((check.name, "skipped", 0.0, "out of time"))
-            continue
-        ran = [run(command, min(check.timeout, left), check.env) for command in check.commands]
-        passed, said = check.judge(ran)
-        took = sum(r.seconds for r in ran)
-        timed_out = any(r.code is None for r in ran)
-        rows.append(
-            (check.name, "passed" if passed else ("timed out" if timed_out else "FAILED"), took, said)
-        )
-        print(f"{rows[-1][1]:>9}  {check.name}: {said}", flush=True)
-        if check.name.startswith("train: a Hugging Face") and (
-            peak := found(r"CUDA peak ([\d.]+ MiB)", ran[0].out)
-        ):
-            (work / "llama-peak.txt").write_text(peak)
+    cpu_page = Path(tempfile.gettempdir()) / "pipeclock-gpu-checks-cpu.md"
+    out = args.out or (ROOT / "benchmarks" / "results" / "gpu.md" if gpu else cpu_page)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pipeclock-gpu-checks-") as folder:  # checkpoints, exports
+        rows = run_checks(Path(folder), gpu, args.budget)
     if not gpu:
         rows.append(("GPU only: CUDA peaks, the 5 % and 1.02 targets, two ranks on one GPU", "skipped", 0.0,
                      "no GPU here: these wait for one"))  # fmt: skip
@@ -355,6 +342,26 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(page(rows, time.monotonic() - began))
     print(f"wrote {out}")
     return 0 if all(result in ("passed", "skipped") for _, result, _, _ in rows) else 1
+
+
+def run_checks(work: Path, gpu: bool, budget: float) -> list[tuple[str, str, float, str]]:
+    """Each check's row: its name, passed or not, its seconds, what it printed; skipped past ``budget``."""
+    _write_llama(work / "llama.json", LLAMA_166M if gpu else LLAMA_TOY)
+    began, rows = time.monotonic(), []
+    for check in checks(work, gpu):
+        left = budget - (time.monotonic() - began)
+        if left < 5:
+            rows.append((check.name, "skipped", 0.0, "out of time"))
+            continue
+        ran = [run(command, min(check.timeout, left), check.env) for command in check.commands]
+        passed, text = check.judge(ran)
+        result = "passed" if passed else ("timed out" if any(r.code is None for r in ran) else "FAILED")
+        rows.append((check.name, result, sum(r.seconds for r in ran), text))
+        print(f"{result:>9}  {check.name}: {text}", flush=True)
+        peak = found(r"CUDA peak ([\d.]+ MiB)", ran[0].out)
+        if check.name.startswith("train: a Hugging Face") and peak:
+            (work / "llama-peak.txt").write_text(peak)  # for the planner's check
+    return rows
 
 
 def _write_llama(path: Path, sizes: dict) -> None:

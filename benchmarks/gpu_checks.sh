@@ -6,7 +6,7 @@
 # Runs from any folder, as it is, on a machine where nothing can be installed: the checkout's .venv when
 # there is one, else the python3 on PATH (torch and transformers installed), with pipeclock read from
 # this checkout (PYTHONPATH). Under 5 minutes on one GPU and 16 cores; without a GPU it runs the same
-# checks at toy sizes and writes its page to a temporary folder. The checks: benchmarks/gpu_checks.py.
+# checks at toy sizes, its page in $TMPDIR/pipeclock-gpu-checks-cpu.md. The checks: benchmarks/gpu_checks.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=.venv/bin/python
