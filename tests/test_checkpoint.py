@@ -314,7 +314,7 @@ def test_a_damaged_checkpoint_named_by_resume_is_one_error_on_every_rank_naming_
     for rank, outcome in enumerate(runs.reference):
         assert outcome["resumes"]["damaged, named"] == {
             "said": "",
-            "error": f"CheckpointError: rank {rank}: checkpoint {named} is damaged: __0_0.distcp: its CRC32 "
+            "error": f"ResumeRefused: rank {rank}: checkpoint {named} is damaged: __0_0.distcp: its CRC32 "
             "differs from the one saved: the content changed",
         }
 

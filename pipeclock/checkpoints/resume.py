@@ -63,16 +63,21 @@ def target(config) -> Path:
     return Path(config.checkpoint_dir if config.resume is True else config.resume)
 
 
+class ResumeRefused(checkpoint_choice.CheckpointError, ValueError):
+    """What ``--resume`` names cannot be resumed from (not there, unfinished, damaged): refused before the
+    first step, as a value that cannot work is (exit code 2; a save or a load that fails is 1)."""
+
+
 def choose(config) -> checkpoint_choice.Choice:
     """The checkpoint to resume from, the same on every rank; a named path that is not there is an error."""
     where = target(config)
     try:
         choice = checkpoint_choice.choose(where)
     except checkpoint_choice.CheckpointError as error:
-        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}") from None
+        raise ResumeRefused(f"rank {comms.get_rank()}: {error}") from None
     if choice.path is None and config.resume is not True:
         error = checkpoint_choice.none_in(where)
-        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}")
+        raise ResumeRefused(f"rank {comms.get_rank()}: {error}")
     return choice
 
 

@@ -223,13 +223,7 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
         if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
             raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
-        return 2 if _refused(error, steps) else 1
-
-
-def _refused(error: BaseException, steps: StepsSeen) -> bool:
-    """A configuration that cannot work (exit code 2): a bad value, or a checkpoint ``--resume`` names that
-    cannot be resumed from (not there, damaged), found before the first step; else a failure (1)."""
-    return isinstance(error, ValueError) or (isinstance(error, CheckpointError) and steps.current is None)
+        return 2 if isinstance(error, ValueError) else 1  # a refusal (resume's too), or a failure
 
 
 def _first_line(error: BaseException) -> str:
