@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -280,19 +281,24 @@ def test_each_way_torchrun_keeps_its_store_gets_its_own_advice():
 
 def test_a_process_group_that_cannot_form_in_time_is_one_line_per_rank(tmp_path):
     """``--timeout 0.01``: the store's wait or gloo's own connections time out, by chance; either way each
-    rank says so in one line, and no traceback. Three jobs at once, for both ways to come up."""
+    rank says so in one line, and no traceback (a rank still starting when torchrun stops it says that
+    instead). Two jobs at once, for both ways to come up."""
     from tests.jobs import Launch
 
     flags = ["train", *MLP, "--hidden", "8", "--timeout", "0.01"]
-    jobs = [Launch(tmp_path / f"job{n}", 2, flags, rank_logs=tmp_path / f"ranks{n}") for n in range(3)]
+    jobs = [Launch(tmp_path / f"job{n}", 2, flags, rank_logs=tmp_path / f"ranks{n}") for n in range(2)]
     for job in jobs:
         job.proc.wait(timeout=240)
-    logs = sorted(tmp_path.glob("ranks*/*/attempt_0/*/stderr.log"))
-    assert len(logs) == 6
-    for log in logs:
-        text = log.read_text()
-        said = [line for line in text.splitlines() if line.startswith("pipeclock train: error: rank ")]
-        assert len(said) == 1 and "Traceback" not in text, text
+    for n in range(2):
+        logs = sorted(tmp_path.glob(f"ranks{n}/*/attempt_0/*/stderr.log"))
+        texts = [log.read_text() for log in logs]
+        assert len(texts) == 2 and all("Traceback" not in text for text in texts), texts
+        said = [[line for line in text.splitlines() if ONE_LINE.match(line)] for text in texts]
+        assert all(len(lines) == 1 for lines in said), texts
+        assert any(lines[0].startswith("pipeclock train: error: rank ") for lines in said), texts
+
+
+ONE_LINE = re.compile(r"^(pipeclock train: (error|stopped|interrupted)|rank \d+: (stopped|interrupted))")
 
 
 BOTH_SIGNALS_AT_ONCE = """
