@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeclock.cli.dispatch import main
+from pipeclock.generation.decode_program import decode_instructions, decode_program
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = ["--model", "gpt", "--dim", "16", "--layers", "1", "--heads", "2", "--seq-len", "16",
@@ -56,8 +57,6 @@ def gpt_run(tmp_path_factory) -> Path:
 
 
 def test_the_decode_program_made_as_it_is_walked_is_the_lowered_one():
-    from pipeclock.generation.decode_program import decode_instructions, decode_program
-
     for p in range(1, 5):
         for groups in range(1, 4):
             for tokens in range(8):
