@@ -147,11 +147,13 @@ def test_a_store_that_takes_the_connection_and_never_answers_holds_a_survivor_a_
     """A store that lived in a dying rank can still accept a connection, then answer nothing: a TCPStore
     client then waits past its timeout, and torchrun, which stopped the survivor with SIGTERM, kills it
     30 s later, its one line unsaid. The notes are best effort: the survivor gives them up in time."""
+    import datetime
     import socket
     import time
 
     from pipeclock import comm_blame
 
+    monkeypatch.setattr(comm_blame, "_STORE_TIMEOUT", datetime.timedelta(seconds=1))  # the test's own wait
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # connections are taken (the kernel's backlog) and never answered
