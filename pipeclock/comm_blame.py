@@ -22,12 +22,19 @@ import contextlib
 import datetime
 import os
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch.distributed as dist
 
-# on an error path: a busy store gets time to answer, a store that is gone fails at once
-_STORE_TIMEOUT = datetime.timedelta(seconds=20)
+# On an error path: a busy store gets time to answer, a store that is gone fails at once. Each call to the
+# store runs in a thread of its own, waited for at most this long: a store whose process is dying may
+# accept a connection and never answer, and a client then waits past any timeout it was given, while
+# torchrun kills a rank it stopped 30 s later: this rank's one line must come before.
+_STORE_TIMEOUT = datetime.timedelta(seconds=5)
+T = TypeVar("T")
 _store: dist.Store | None = None
 _unreachable = False  # tried once, and the store was not there: not tried again (each try waits)
 _left_note = False
@@ -99,37 +106,47 @@ def _leave(note: str) -> None:
     if _left_note or not dist.is_initialized():
         return
     _left_note = True
-    store = _connect()
+    store, key = _connect(), _key(dist.get_rank())
     if store is not None:
-        with contextlib.suppress(RuntimeError, dist.DistError):
-            store.set(_key(dist.get_rank()), note)
+        _bounded(lambda: store.set(key, note))
 
 
 def _read_notes() -> dict[int, str] | None:
     store = _connect()
     if store is None or not dist.is_initialized():
         return None
-    try:
-        keys = [_key(rank) for rank in range(dist.get_world_size())]
-        return {rank: store.get(key).decode() for rank, key in enumerate(keys) if store.check([key])}
-    except (RuntimeError, dist.DistError):
-        return None
+    keys = [_key(rank) for rank in range(dist.get_world_size())]
+    return _bounded(
+        lambda: {rank: store.get(key).decode() for rank, key in enumerate(keys) if store.check([key])}
+    )
 
 
 def _connect() -> dist.Store | None:
     """A client of the store the ranks met through (a connection of its own, with a short timeout)."""
     global _store, _unreachable
     if _store is None and not _unreachable and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        try:  # a plain socket first: a store that is gone is then no C++ error printed at the user
-            socket.create_connection(address, timeout=_STORE_TIMEOUT.total_seconds()).close()
-            _store = dist.TCPStore(
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                is_master=False,
-                timeout=_STORE_TIMEOUT,
-                wait_for_workers=False,
-            )
-        except (OSError, RuntimeError, dist.DistError):
-            _unreachable = True
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+        def dial() -> dist.Store:
+            # a plain socket first: a store that is gone is then no C++ error printed at the user
+            socket.create_connection((host, port), timeout=_STORE_TIMEOUT.total_seconds()).close()
+            return dist.TCPStore(host, port, is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
+
+        _store = _bounded(dial)
+        _unreachable = _store is None
     return _store
+
+
+def _bounded(call: Callable[[], T]) -> T | None:
+    """``call()`` in a thread, waited for ``_STORE_TIMEOUT`` at most; None if it failed or is still waiting
+    (the thread is left to its wait: the process does not wait for it to end)."""
+    result: list[T] = []
+
+    def attempt() -> None:
+        with contextlib.suppress(OSError, RuntimeError, dist.DistError):
+            result.append(call())
+
+    thread = threading.Thread(target=attempt, name="pipeclock-blame-store", daemon=True)
+    thread.start()
+    thread.join(_STORE_TIMEOUT.total_seconds())
+    return result[0] if result else None

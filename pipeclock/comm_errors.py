@@ -2,14 +2,27 @@
 
 ``comms`` waits on the backend; when gloo or nccl raises, ``described`` turns its ``RuntimeError`` into
 one of these errors, naming the rank that reports (alive, by construction) and the ranks it waited on,
-and, where the stopped ranks' notes tell (``pipeclock.comm_blame``), which rank failed first.
+and, where the stopped ranks' notes tell (``pipeclock.comm_blame``), which rank failed first. A process
+group that never formed (``not_joined``, ``not_connected``) is said in the launcher's terms.
 """
 
 from __future__ import annotations
 
+import os
+import re
+
 from pipeclock.comm_blame import FirstFailure
 
-__all__ = ["CommError", "CommTimeoutError", "PeerGoneError", "ShapeMismatchError", "described", "ranks_named"]
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "PeerGoneError",
+    "ShapeMismatchError",
+    "described",
+    "not_connected",
+    "not_joined",
+    "ranks_named",
+]
 
 
 class CommError(RuntimeError):
@@ -92,3 +105,42 @@ def ranks_named(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+# --- joining: the process group that never formed --------------------------------------------------------
+
+
+def not_joined(error: RuntimeError, timeout: float) -> CommTimeoutError:
+    """What a rendezvous that never completed was waiting for, in the launcher's terms.
+
+    The store's own messages speak of clients, sockets and keys; a user needs to know which rank did
+    not come and what to check: that every rank started, and with the same world size.
+    """
+    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    missing = re.search(r"keys: .*/(\d+)\s*$", text)
+    if joined:
+        waited = f"the other ranks to join the store at {store} ({joined[1]} of {joined[2]} ranks came)"
+    elif missing:
+        waited = f"rank {missing[1]} to join the process group of {world} ranks"
+    elif "connect" in text:
+        waited = f"rank 0's store at {store} (rank 0 hosts it)"
+    else:
+        waited = f"the process group of {world} ranks ({text})"
+    return CommTimeoutError(
+        f"rank {rank}: waited {timeout:g}s for {waited}; did all {world} ranks start (WORLD_SIZE={world}: "
+        "--nnodes x --nproc-per-node), with the same world size on every node?"
+    )
+
+
+def not_connected(error: RuntimeError, timeout: float) -> CommTimeoutError:
+    """Gloo's links between the ranks, after the store, did not form: too short a timeout, or a peer that
+    left meanwhile (refused); in the launcher's terms, not gloo's source locations."""
+    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    cause = "a peer refused: it had stopped already" if "refused" in str(error) else "no answer in time"
+    return CommTimeoutError(
+        f"rank {rank}: the {world} ranks met but could not connect to each other within {timeout:g}s "
+        f"({cause}); is --timeout long enough, and did every rank start?"
+    )

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -78,11 +77,17 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     comm_blame.start_group()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            check_gpus(int(os.environ["RANK"]), local_ranks, torch.cuda.device_count())
             torch.cuda.set_device(_local_rank())
         try:
             dist.init_process_group(backend, timeout=limit)
         except dist.DistError as error:  # the store's timeouts: a rank or the store never came
-            raise _not_joined(error, timeout) from None
+            raise comm_errors.not_joined(error, timeout) from None
+        except RuntimeError as error:  # gloo's own: every rank came to the store, not every link formed
+            if "connectFullMesh" not in str(error):
+                raise
+            raise comm_errors.not_connected(error, timeout) from None
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=limit)
     if backend != "nccl":
@@ -92,29 +97,15 @@ def init(backend: str | None = None, timeout: float = 60.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _not_joined(error: dist.DistError, timeout: float) -> CommTimeoutError:
-    """What a rendezvous that never completed was waiting for, in the launcher's terms.
-
-    The store's own messages speak of clients, sockets and keys; a user needs to know which rank did
-    not come and what to check: that every rank started, and with the same world size.
-    """
-    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    store = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    joined = re.search(r"(\d+)/(\d+) clients joined", text)
-    missing = re.search(r"keys: .*/(\d+)\s*$", text)
-    if joined:
-        waited = f"the other ranks to join the store at {store} ({joined[1]} of {joined[2]} ranks came)"
-    elif missing:
-        waited = f"rank {missing[1]} to join the process group of {world} ranks"
-    elif "connect" in text:
-        waited = f"rank 0's store at {store} (rank 0 hosts it)"
-    else:
-        waited = f"the process group of {world} ranks ({text})"
-    return CommTimeoutError(
-        f"rank {rank}: waited {timeout:g}s for {waited}; did all {world} ranks start (WORLD_SIZE={world}: "
-        "--nnodes x --nproc-per-node), with the same world size on every node?"
-    )
+def check_gpus(rank: int, local_ranks: int, gpus: int) -> None:
+    """Under nccl each rank on a machine takes a GPU of its own: ``ValueError`` before anything starts when
+    the machine runs more ranks than it shows GPUs, naming both numbers and what to do."""
+    if local_ranks > gpus:
+        raise ValueError(
+            f"rank {rank}: {local_ranks} ranks on this machine (--nproc-per-node) but {gpus} GPU(s) visible: "
+            f"nccl needs a GPU per rank; start at most {gpus} rank(s) per machine, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+        )
 
 
 def shutdown() -> None:

@@ -277,7 +277,7 @@ def test_a_fresh_run_or_another_model_cannot_reuse_a_runs_checkpoint_directory(r
             refusals["fresh run"].startswith(f"rank {rank}: ")
             and "already holds checkpoints" in refusals["fresh run"]
         )
-        assert refusals["other model"].endswith("holds a ShardedMLP 8 x 32, not 8 x 16")
+        assert refusals["other model"].endswith("holds a ShardedMLP 8 x 32, not 8 x 16 (--hidden 32, not 16)")
         assert refusals["other seed"].startswith(f"rank {rank}: ") and refusals["other seed"].endswith(
             "step_000020 was trained with --seed 0, not --seed 1 (the seed fixes the initial weights and "
             "every batch: resume with the checkpoint's)"
@@ -314,7 +314,7 @@ def test_a_damaged_checkpoint_named_by_resume_is_one_error_on_every_rank_naming_
     for rank, outcome in enumerate(runs.reference):
         assert outcome["resumes"]["damaged, named"] == {
             "said": "",
-            "error": f"CheckpointError: rank {rank}: checkpoint {named} is damaged: __0_0.distcp: its CRC32 "
+            "error": f"ResumeRefused: rank {rank}: checkpoint {named} is damaged: __0_0.distcp: its CRC32 "
             "differs from the one saved: the content changed",
         }
 

@@ -103,6 +103,42 @@ def test_a_bad_request_is_one_line_and_exit_code_2(schedule_command, args, compl
     assert complaint in err
 
 
+@pytest.mark.timeout(60)  # the refusal comes before any work: a command that simulates first never ends
+@pytest.mark.parametrize(
+    ("args", "complaint"),
+    [
+        (
+            ["1f1b", "-p", "4", "-m", "100000"],
+            "--microbatches 100000: the engine runs at most 65535 per step",
+        ),
+        (["1f1b", "-p", "100000", "-m", "4"], "--stages 100000: the engine runs at most 512 virtual stages"),
+        (
+            ["interleaved-1f1b", "-p", "300", "-m", "4"],
+            "--stages 300 x 2 chunks: the engine runs at most 512",
+        ),
+        (["1f1b", "-p", "8", "-m", "20000"], "is 160000 forwards per step: schedule simulates at most 50000"),
+        (["--compare", "-p", "8", "-m", "5000"], "x 2 chunk(s) is 80000 forwards per step"),
+    ],
+)
+def test_a_step_too_large_to_simulate_is_one_line_before_any_work(schedule_command, args, complaint):
+    code, out, err = schedule_command(*args)
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert err.startswith("pipeclock schedule: error: ") and complaint in err, err
+
+
+def test_a_deadlocked_schedule_file_shows_where_every_rank_is_stuck(schedule_command, tmp_path):
+    """The error's first line says it deadlocks; the lines after it are the answer, so all are shown."""
+    csv = tmp_path / "stuck.csv"
+    csv.write_text("0F0,0F1,0B1,0B0\n1B0,1F0,1F1,1B1\n")
+    code, out, err = schedule_command("--schedule-csv", str(csv))
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"pipeclock schedule: error: {csv}: the schedule deadlocks; no rank can move:",
+        "  rank 0: stuck at B1 (action 2), waiting for B1 (or I1) on rank 1",
+        "  rank 1: stuck at B0 (action 0), waiting for F0 on rank 1",
+    ]
+
+
 def test_python_dash_m_pipeclock_schedule_works():
     result = subprocess.run(
         [sys.executable, "-m", "pipeclock", "schedule", "gpipe", "--stages", "2", "--microbatches", "2"],

@@ -29,7 +29,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.checkpoints import choice as checkpoint_choice
-from pipeclock.models.registry import describe, same_model
+from pipeclock.models.registry import describe, differences, same_model
 
 # The training settings a checkpoint records and a resumed run may change. The stage and replica counts
 # are reported on their own line; how often to save or validate is no part of the training. ``chunks`` is
@@ -63,16 +63,21 @@ def target(config) -> Path:
     return Path(config.checkpoint_dir if config.resume is True else config.resume)
 
 
+class ResumeRefused(checkpoint_choice.CheckpointError, ValueError):
+    """What ``--resume`` names cannot be resumed from (not there, unfinished, damaged): refused before the
+    first step, as a value that cannot work is (exit code 2; a save or a load that fails is 1)."""
+
+
 def choose(config) -> checkpoint_choice.Choice:
     """The checkpoint to resume from, the same on every rank; a named path that is not there is an error."""
     where = target(config)
     try:
         choice = checkpoint_choice.choose(where)
     except checkpoint_choice.CheckpointError as error:
-        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}") from None
+        raise ResumeRefused(f"rank {comms.get_rank()}: {error}") from None
     if choice.path is None and config.resume is not True:
         error = checkpoint_choice.none_in(where)
-        raise checkpoint_choice.CheckpointError(f"rank {comms.get_rank()}: {error}")
+        raise ResumeRefused(f"rank {comms.get_rank()}: {error}")
     return choice
 
 
@@ -88,7 +93,11 @@ def check_same_model(found: Path, saved: dict, wanted: dict) -> None:
         saved_model, wanted_model = describe(saved), describe(wanted)
         if saved_model.split()[0] == wanted_model.split()[0]:  # same kind: say only the sizes
             wanted_model = wanted_model.split(" ", 1)[1]
-        raise ValueError(f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}")
+        fields = "; ".join(differences(saved, wanted))
+        raise ValueError(
+            f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}"
+            + (f" ({fields})" if fields else "")
+        )
 
 
 def check_no_newer(config, found: Path) -> None:

@@ -11,9 +11,13 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pipeclock.cli.arguments import DefaultsHelpFormatter, Parser
 from pipeclock.cli.interrupts import exit_code, signals_caught
+from pipeclock.engine.notices import RunWarning
 
 COMMANDS: dict[str, str] = {
     "train": "train a ShardedMLP or a GPT with pipeline parallelism (the main job; launch with torchrun)",
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     argv = sys.argv[1:]
-    with signals_caught():
+    prog = " ".join(["pipeclock", *argv[:1]]) if argv and argv[0] in COMMANDS else "pipeclock"
+    with signals_caught(), _run_warnings_as_lines(prog):
         try:
             args = build_parser(argv).parse_args(argv)
             code = int(_command_module(args.command).run(args) or 0)
@@ -68,14 +73,31 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
         except KeyboardInterrupt as interrupt:
-            prog = " ".join(["pipeclock", *argv[:1]]) if argv and argv[0] in COMMANDS else "pipeclock"
             print(f"{prog}: interrupted", file=sys.stderr)
             return exit_code(interrupt)
 
 
+@contextmanager
+def _run_warnings_as_lines(prog: str) -> Iterator[None]:
+    """Within the block, a ``RunWarning`` (the same on every rank) is one line, once, from rank 0 alone."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not issubclass(category, RunWarning):
+            shown(message, category, filename, lineno, file, line)
+        elif os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("once", RunWarning)
+        warnings.showwarning = show
+        yield
+
+
 def _exit_code(done: SystemExit) -> int:
-    """What ``sys.exit`` would make of ``done``, returned instead: ``main`` can be called in-process."""
+    """What ``sys.exit`` would make of ``done``, returned instead: ``main`` can be called in-process;
+    but a command's exit with a message (no lab 99, no checkout) is a refusal, so 2, not Python's 1."""
     if isinstance(done.code, str):
         print(done.code, file=sys.stderr)
-        return 1
+        return 2
     return int(done.code or 0)

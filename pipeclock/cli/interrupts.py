@@ -52,14 +52,20 @@ def _raise_interrupted(signum: int, frame) -> None:
     """The first signal interrupts; later ones are ignored so that the report and the clean-up finish.
 
     Under torchrun a rank gets Ctrl-C's SIGINT twice (from the terminal and passed on by torchrun): the
-    second must not interrupt the handling of the first. A stuck clean-up is still bounded: torchrun
-    sends SIGKILL after its grace period.
+    second must not interrupt the handling of the first. They are ignored by a handler that does nothing,
+    not by ``SIG_IGN``: a signal that arrived with the first, still pending when its handler becomes
+    ``SIG_IGN``, makes Python raise "OSError: Signal 15 ignored due to race condition". A stuck clean-up
+    is still bounded: torchrun sends SIGKILL after its grace period.
     """
     global _received
     _received = signum
     for caught in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(caught, signal.SIG_IGN)
+        signal.signal(caught, _ignore)
     raise Interrupted(signum)
+
+
+def _ignore(signum: int, frame) -> None:
+    """A signal after the first: the interruption is being handled already."""
 
 
 def received() -> int | None:

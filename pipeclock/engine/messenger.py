@@ -16,7 +16,6 @@ placement.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.engine import pytree
+from pipeclock.engine.action_clock import HostClock
 from pipeclock.engine.actions import Action
 from pipeclock.engine.placement import Placement
 
@@ -86,7 +86,8 @@ class Messenger:
         self._local: dict[tuple[int, int, int], object] = {}
         self._sends: dict[tuple[int, int, int], list[comms.PendingSend]] = {}  # by message key
         self._done_by = sends_done_by(table, placement, rank) if table else {}
-        self.wait_seconds = 0.0  # time spent blocked on receives; the caller reads and resets it
+        self.clock = HostClock()  # marks the receives' waits (``action_clock``): the caller sets it per step
+        self.waits: list[tuple] = []  # (start, end) marks of each wait for a receive; the caller resets it
         self.sent_bytes = 0  # bytes sent to other ranks; the caller reads and resets it
 
     def _rank_of(self, stage: int) -> int:
@@ -208,7 +209,7 @@ class Messenger:
         if key in self._local:
             return self._local.pop(key)
         incoming = self._incoming.pop(key)
-        start = time.perf_counter()
+        start = self.clock.mark()
         try:
             if incoming.is_header:
                 (header,) = incoming.pending
@@ -218,7 +219,7 @@ class Messenger:
                 incoming = _Incoming(self._post_leaves(key, header.src, shapes), spec)
             received = [pending.wait() for pending in incoming.pending]
         finally:
-            self.wait_seconds += time.perf_counter() - start
+            self.waits.append((start, self.clock.mark()))
         kind, stage, microbatch = key
         done = [(ACTIVATION, stage + 1, microbatch)] if kind == GRADIENT else self._done_by.get(key, ())
         for sent in done:  # their receivers have them: the waits return at once, the tensors are freed

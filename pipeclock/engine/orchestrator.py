@@ -17,6 +17,7 @@ process computes for the whole batch.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import zlib
@@ -30,6 +31,7 @@ from torch import nn
 
 from pipeclock import comms
 from pipeclock.engine import faults, pytree
+from pipeclock.engine.action_clock import clock_for
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of, validate
 from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.engine.generators import Generator, generate
@@ -137,6 +139,7 @@ class Pipeline:
         self.meter = ActivationMeter(self.chunks, w_keeps_graph) if measure_memory else None
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
+        self.new_clock = functools.partial(clock_for, self.device)  # what times each step's actions
         self.ties = TiedGradients(self.chunks, group)
         self.last_backward = self._last_backward_actions()
         replicated = self.replicas.group is not None

@@ -58,7 +58,7 @@ class Placement:
     def num_virtual(self) -> int:
         return sum(len(rank) for rank in self.stages)
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         """The most chunks any rank holds."""
         return max(len(rank) for rank in self.stages)

@@ -11,6 +11,7 @@ its ``F`` until its last backward, the loss, the measured spans, and the data-pa
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from pipeclock import comms
 from pipeclock.engine import faults, pytree, rng
+from pipeclock.engine.action_clock import Marked, spans_of
 from pipeclock.engine.actions import Action
 from pipeclock.engine.backward import (
     backward_input,
@@ -70,12 +72,14 @@ class StepRun:
         self.given = (inputs, targets)
         self.sizes: list[int] | None = None  # the micro-batch sizes, once cut
         self.rejection: ValueError | None = None  # what this rank's own batch raised, told at AGREE
-        self.synchronizes_device = pipe.device.type == "cuda"
+        self.clock = pipe.new_clock()  # CUDA events on a GPU: read after the step, no synchronize per action
+        self.marked: list[Marked] = []
+        if pipe.messenger is not None:
+            pipe.messenger.clock = self.clock
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.outgoing: dict[tuple[str, int, int], object] = {}  # what a SEND_F / SEND_B sends
         self.loss: torch.Tensor | None = None
         self.shared_loss = 0.0
-        self.spans: list[Span] = []
         self.syncs: list[tuple[float, float]] = []
         self.sent_bytes = 0
         self.meter = pipe.meter
@@ -100,6 +104,11 @@ class StepRun:
     def run(self) -> None:
         for instruction in self.program:
             self.handlers[instruction.kind](instruction)
+
+    @functools.cached_property
+    def spans(self) -> list[Span]:
+        """The measured span of each action run, read once the step is over (the marks all at once)."""
+        return spans_of(self.clock, self.pipe.global_rank, self.marked)
 
     # --- the step-wide words ---------------------------------------------------------------------------
 
@@ -218,8 +227,8 @@ class StepRun:
 
     def execute(self, action: Action) -> None:
         messenger = self.pipe.messenger
-        messenger.wait_seconds = 0.0
-        start = time.perf_counter()
+        messenger.waits = []
+        start = self.clock.mark()
         try:
             self.run_action(action)
         except (comms.CommError, BatchRefused, StageError):
@@ -229,10 +238,7 @@ class StepRun:
                 f"rank {self.pipe.global_rank}: {action} (virtual stage {self.stage}) failed: {error}"
                 + self._input_note(action)
             ) from error
-        if self.synchronizes_device:
-            torch.cuda.synchronize(self.pipe.device)  # CUDA runs asynchronously: time kernels, not launches
-        end = time.perf_counter()
-        self.spans.append(Span(self.pipe.global_rank, action, start, end, messenger.wait_seconds))
+        self.marked.append(Marked(action, start, self.clock.mark(), messenger.waits))
 
     def run_action(self, action: Action) -> None:
         if action.op == "F":

@@ -19,7 +19,8 @@ own bubble); with G >= p groups each rank always has another group's token to co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 from pipeclock.engine.actions import Action, Schedule
 from pipeclock.engine.placement import Placement
@@ -39,6 +40,41 @@ def decode_program(num_stages: int, num_groups: int, tokens: int) -> list[Progra
     words (``SIZES``, ``AGREE``, ``LOSS``): a decode program has no batch to agree on and no loss."""
     programs = lower(decode_schedule(num_stages, num_groups, tokens))
     return [[i for i in program if i.kind not in STEP] for program in programs]
+
+
+def decode_instructions(num_stages: int, num_groups: int, tokens: int, rank: int) -> Iterator[Instruction]:
+    """Rank ``rank``'s decode program, made as it is walked: ``decode_program(...)[rank]``, instruction for
+    instruction, without holding it (a run of a billion bytes starts at once, in constant memory).
+
+    The program repeats itself: every token between the first and the last is the second token's
+    instructions, moved ``p`` virtual stages (one round) on per token. So three tokens are lowered, and
+    the middle one is repeated.
+    """
+    if tokens <= 3:
+        yield from decode_program(num_stages, num_groups, tokens)[rank]
+        return
+    first, middle, last = _by_token(decode_program(num_stages, num_groups, 3)[rank], num_stages)
+    yield from first
+    for token in range(1, tokens - 1):
+        yield from (_moved(instruction, token - 1, num_stages) for instruction in middle)
+    yield from (_moved(instruction, tokens - 3, num_stages) for instruction in last)
+
+
+def _by_token(program: Program, num_stages: int) -> list[Program]:
+    """A three-token program cut where its token changes: its first, middle and last token's parts."""
+    parts: list[Program] = [[], [], []]
+    for instruction in program:
+        parts[token_of(instruction, num_stages)].append(instruction)
+    return parts
+
+
+def _moved(instruction: Instruction, rounds: int, num_stages: int) -> Instruction:
+    """The same instruction ``rounds`` tokens later: its virtual stage and its chunk (the token) moved."""
+    assert instruction.stage is not None
+    action = instruction.action
+    if action is not None:
+        action = Action(action.op, action.microbatch, action.chunk + rounds)
+    return dataclasses.replace(instruction, stage=instruction.stage + rounds * num_stages, action=action)
 
 
 def token_of(instruction: Instruction, num_stages: int) -> int:

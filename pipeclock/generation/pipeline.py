@@ -1,10 +1,10 @@
 """Generation on p ranks: each holds its stage's pieces and, per prompt, their keys and values.
 
-Rank r walks its decode program (``decode_program.decode_program``: the engine's lowering of the
-forward-only decode schedule) with a handler per instruction: ``F`` of group g at token t computes every
-prompt of the group through its stage (each prompt alone, batch 1, with its own cache); ``RECV_F`` and
-``SEND_F`` post the messages the lowering derived, with ``comms.irecv`` / ``isend`` (every wait bounded by
-the timeout):
+Rank r walks its decode program (the engine's lowering of the forward-only decode schedule, made as it
+is walked: ``decode_program.decode_instructions``) with a handler per instruction: ``F`` of group g at
+token t computes every prompt of the group through its stage (each prompt alone, batch 1, with its own
+cache); ``RECV_F`` and ``SEND_F`` post the messages the lowering derived, with ``comms.irecv`` /
+``isend`` (every wait bounded by the timeout):
 
 - rank r -> r + 1: a header ``(prompts, 2)`` int64, each prompt's ``[new tokens, reset]`` (0 new tokens:
   the prompt has ended), then the new tokens' hidden states, all prompts' in one ``(1, n, dim)`` tensor;
@@ -29,12 +29,13 @@ from torch import nn
 from pipeclock import comms
 from pipeclock.engine.program import Instruction
 from pipeclock.engine.spans import Span
-from pipeclock.generation.decode_program import decode_program, token_of
+from pipeclock.generation.decode_program import decode_instructions, token_of
 from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.sampling import choose, uniform_for, window_start
 
 _HEADER, _HIDDEN, _BYTES = 11, 12, 13  # message tags: one stream per kind between two ranks
 ENDED = -1
+TIMED_TOKENS = 1000  # the tokens whose forwards are kept as spans: the timeline of a long run is its start
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class Lane:
 
 @dataclass
 class Outcome:
-    """What one rank did: its spans (seconds from a common origin), and on the last rank the bytes each
-    prompt generated and when each group's first byte came."""
+    """What one rank did: its spans (seconds from a common origin; the first ``TIMED_TOKENS`` tokens'),
+    and on the last rank the bytes each prompt generated and when each group's first byte came."""
 
     spans: list[Span] = field(default_factory=list)
     texts: dict[int, bytes] = field(default_factory=dict)
@@ -120,7 +121,7 @@ class StageRunner:
         decoding: Decoding = GPT_DECODING,
     ) -> None:
         self.pieces, self.settings, self.decoding = pieces.eval(), settings, decoding
-        self.rank, self.world = comms.get_rank(), comms.get_world_size()
+        self.rank, self.world, self.device = comms.get_rank(), comms.get_world_size(), comms.device()
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self.groups = [[self._lane(i, prompts[i]) for i in group] for group in groups]
         self.receiving: dict[tuple[int, int], comms.PendingRecv] = {}  # (stage, group): a posted receive
@@ -136,7 +137,7 @@ class StageRunner:
 
     def run(self, on_byte: OnByte | None = None) -> Outcome:
         self.on_byte, self.outcome = on_byte, Outcome()
-        program = decode_program(self.world, len(self.groups), self.settings.tokens)[self.rank]
+        program = decode_instructions(self.world, len(self.groups), self.settings.tokens, self.rank)
         handlers = {"RECV_F": self._post_receive, "F": self._forward_step, "SEND_F": self._send}
         self.origin = time.perf_counter()
         for instruction in program:
@@ -176,15 +177,16 @@ class StageRunner:
                 self._sample(lane, logits) for lane, logits in zip(self.groups[group], outputs, strict=True)
             ]
         else:
-            header = torch.tensor([[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds])
+            sizes = [[0, 0] if f is None else [f[1].shape[1], int(f[0])] for f in feeds]
+            header = torch.tensor(sizes, dtype=torch.int64, device=self.device)
             hidden = [out for out in outputs if out is not None]
             handed = (header, torch.cat(hidden, dim=1) if hidden else None)
         if token < self.settings.tokens - 1 or not self.last:  # the last bytes: nobody needs them again
             self.outputs[(instruction.stage, group)] = handed
         ended = time.perf_counter()
-        self.outcome.spans.append(
-            Span(self.rank, instruction.action, began - self.origin, ended - self.origin, waited)
-        )
+        if token < TIMED_TOKENS:
+            span = Span(self.rank, instruction.action, began - self.origin, ended - self.origin, waited)
+            self.outcome.spans.append(span)
         if self.last and token == 0:
             self.outcome.first_byte_s[group] = ended - self.origin
         if group == len(self.groups) - 1:
@@ -196,7 +198,7 @@ class StageRunner:
         group = instruction.microbatch
         handed = self.outputs.pop((instruction.stage, group))
         if self.last:
-            sampled = torch.tensor(handed, dtype=torch.int64)
+            sampled = torch.tensor(handed, dtype=torch.int64, device=self.device)
             self.sends.append(comms.isend(sampled, instruction.peer, _BYTES, f"the bytes of group {group}"))
             return
         header, hidden = handed
@@ -252,7 +254,7 @@ class StageRunner:
         reset = token == 0 or moved != lane.start or not self.settings.cache
         lane.start = moved
         fed = lane.ids[moved:] if reset else lane.ids[-1:]
-        return reset, torch.tensor(fed, dtype=torch.int64)[None]
+        return reset, torch.tensor(fed, dtype=torch.int64, device=self.device)[None]
 
     # --- the forward, and what it hands on -------------------------------------------------------------
 

@@ -51,6 +51,34 @@ def same_model(saved: dict, wanted: dict) -> bool:
     return (saved["hidden"], saved["layers"]) == (wanted["hidden"], wanted["layers"])
 
 
+# The flag that sets each recorded size, where a flag does (a Hugging Face config's fields have none).
+_FLAGS = {
+    "hidden": "--hidden",
+    "layers": "--layers",
+    "dim": "--dim",
+    "heads": "--heads",
+    "seq_len": "--seq-len",
+}
+
+
+def differences(saved: dict, wanted: dict) -> list[str]:
+    """What differs between two models of one kind, a field each: ``--hidden 16, not 32``
+    (``hidden_size 64, not 32`` for a Hugging Face config); nothing for models of different kinds."""
+    if saved.get("model", "ShardedMLP") != wanted.get("model", "ShardedMLP"):
+        return []
+    if wanted.get("model") == "HF":
+        saved, wanted = _comparable(saved["hf_config"]), _comparable(wanted["hf_config"])
+    elif wanted.get("model") == "GPT":
+        saved, wanted = saved["gpt"], wanted["gpt"]
+    else:
+        saved, wanted = ({key: run.get(key) for key in ("hidden", "layers")} for run in (saved, wanted))
+    return [
+        f"{_FLAGS.get(key, key)} {saved.get(key)}, not {wanted.get(key)}"
+        for key in sorted(saved.keys() | wanted.keys(), key=str)
+        if key != "dropout" and saved.get(key) != wanted.get(key)
+    ]
+
+
 def hf_config(run: dict):
     """The Hugging Face config a checkpoint's run description holds."""
     from transformers import AutoConfig
@@ -61,7 +89,8 @@ def hf_config(run: dict):
 def run_tokens(run: dict):
     """The tokenizer a run read its text with (a ``Tokens``), or None for bytes.
 
-    A checkpoint names the ``--hf-model`` directory whose tokenizer the run used; it must still be there.
+    A checkpoint names the ``--hf-model`` directory whose tokenizer the run used; it must still be there,
+    and give no id beyond the model's vocabulary (as training checks).
     """
     directory = run.get("tokenizer")
     if directory is None:
@@ -73,7 +102,13 @@ def run_tokens(run: dict):
             f"the run read its text with the tokenizer in {directory}, which is no longer there: "
             "put that --hf-model directory back"
         )
-    return Tokens(directory)
+    tokens, vocabulary = Tokens(directory), run["hf_config"].get("vocab_size")
+    if vocabulary is not None and tokens.vocab_size > vocabulary:
+        raise ValueError(
+            f"the tokenizer in {directory} now gives {tokens.vocab_size} ids, more than the model's "
+            f"vocabulary of {vocabulary}: put back the tokenizer the run was trained with"
+        )
+    return tokens
 
 
 def _comparable(config: dict) -> dict:

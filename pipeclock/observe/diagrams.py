@@ -66,7 +66,8 @@ def _row_prefix(rank: int, num_ranks: int) -> str:
 
 def _exact_unit(timeline: Timeline) -> float | None:
     """The largest time dividing every span's start and end, when all are simple fractions; else None."""
-    times = [t - timeline.start for s in timeline.spans for t in (s.start, s.end)]
+    origin = timeline.start
+    times = [t - origin for s in timeline.spans for t in (s.start, s.end)]
     fractions = [Fraction(t).limit_denominator(_MAX_DENOMINATOR) for t in times]
     if any(abs(f - t) > _EPSILON for f, t in zip(fractions, times, strict=True)):
         return None

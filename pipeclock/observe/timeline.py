@@ -22,22 +22,18 @@ class Timeline:
         bad = [s for s in self.spans if not 0 <= s.rank < num_ranks or s.end < s.start]
         if bad:
             raise ValueError(f"span {bad[0]} does not fit a timeline of {num_ranks} ranks")
+        self.start = min((s.start for s in self.spans), default=0.0)
+        self.makespan = max((s.end for s in self.spans), default=0.0) - self.start  # first start to last end
+        self._by_rank: dict[int, list[Span]] = {}
+        for span in self.spans:
+            self._by_rank.setdefault(span.rank, []).append(span)
 
     def __repr__(self) -> str:
         return f"Timeline({len(self.spans)} spans, {self.num_ranks} ranks, makespan {self.makespan:g})"
 
     def spans_of(self, rank: int) -> list[Span]:
         """Rank ``rank``'s spans in the order they started."""
-        return [s for s in self.spans if s.rank == rank]
-
-    @property
-    def start(self) -> float:
-        return min((s.start for s in self.spans), default=0.0)
-
-    @property
-    def makespan(self) -> float:
-        """From the first span's start to the last span's end: the length of the step."""
-        return max((s.end for s in self.spans), default=0.0) - self.start
+        return list(self._by_rank.get(rank, ()))
 
     @property
     def num_microbatches(self) -> int:

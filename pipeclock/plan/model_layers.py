@@ -108,8 +108,10 @@ def _measured(args: argparse.Namespace) -> PlannedModel:
         layers = args.layers or 16
         _at_least_one(layers, "--layers")
         spec = mlp_spec(args.hidden, layers)
-    measured = profile(spec, batch, dtype=args.dtype)  # the whole batch: scaled to each micro-batch size
-    note = f"layers measured here on {args.threads} thread(s), batch {batch}"
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # where it will run
+    measured = profile(spec, batch, dtype=args.dtype, device=device)  # the whole batch: scaled to each size
+    where = f"{args.threads} thread(s)" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    note = f"layers measured here on {where}, batch {batch}"
     return PlannedModel(spec.name, measured, batch, "ms", note, time_scale=1e3)
 
 

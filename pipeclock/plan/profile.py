@@ -39,6 +39,7 @@ from pipeclock.engine.memory import is_parameter_cast
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.recompute import apply_recompute
 from pipeclock.engine.ties import tie_key
+from pipeclock.plan.cuda_memory import rounded
 from pipeclock.plan.model_specs import ModelSpec
 
 ALIKE = 4  # layers of one kind timed in turn (at most): enough to leave the caches as a stage does
@@ -89,6 +90,10 @@ class LayerCost:
     # (tie key, numbers) of each parameter tied to another layer's (``engine.ties``): a rank holding both
     # layers holds that tensor once
     tied: tuple[tuple[str, int], ...] = ()
+    # measured on a GPU: its compute capability (its cuBLAS workspace depends on it), and the bytes the
+    # CUDA caching allocator adds to one copy of the layer's parameters (each tensor rounded up to 512 B)
+    cuda_capability: tuple[int, int] | None = None
+    parameter_slack: int = 0
 
     def saves(self, checkpointed: bool) -> tuple[int, int, int]:
         """(held, keeps_input, keeps_output) in the forward, with or without this layer checkpointed."""
@@ -115,7 +120,12 @@ class LayerCost:
 
 
 def profile(
-    spec: ModelSpec, samples: int, repeats: int = 5, warmup: int = 2, dtype: str = "fp32"
+    spec: ModelSpec,
+    samples: int,
+    repeats: int = 5,
+    warmup: int = 2,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
 ) -> list[LayerCost]:
     """Every layer's costs for micro-batches of ``samples`` samples, each kind of layer measured once,
     one layer alive at a time: the least time of ``repeats`` runs after ``warmup`` runs (on a shared
@@ -123,10 +133,11 @@ def profile(
 
     With ``dtype="bf16"`` the forwards run under autocast, as the engine runs them: what a layer saves
     is then partly bf16 and partly float32 (what autocast keeps in float32), which no fixed ratio of the
-    float32 sizes predicts, and the times are bf16's.
+    float32 sizes predicts, and the times are bf16's. Everything is measured on ``device`` (default: the
+    CPU), where the layers and the batch are put: a GPU's times and its allocator's bytes.
     """
-    precision = parse_precision(dtype)
-    inputs, targets = spec.batch(samples)
+    precision, device = parse_precision(dtype), device or torch.device("cpu")
+    inputs, targets = (pytree.tree_map(lambda t: t.to(device), part) for part in spec.batch(samples))
     measured: dict[tuple[str, bool], LayerCost] = {}
     flowing = inputs
     for index in range(spec.num_layers):
@@ -134,9 +145,9 @@ def profile(
         if key in measured:
             continue
         alike = [i for i in range(index, spec.num_layers) if _measured_as(spec, i) == key][:ALIKE]
-        layers = [spec.build(i) for i in alike]
+        layers = [spec.build(i).to(device) for i in alike]
         last = index == spec.num_layers - 1
-        feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision)
+        feed = _Feed(flowing, targets if last else None, spec.loss_fn, index == 0, precision, device)
         cost, flowing = _measure(layers, feed, repeats, warmup)
         *checkpointed, weight_held = _checkpointed_saves(layers[0], feed)
         measured[key] = replace(
@@ -146,6 +157,7 @@ def profile(
             checkpointed=tuple(checkpointed),
             weight_held_checkpointed=weight_held,
             dtype=dtype,
+            cuda_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
         )
         del layers
     return [replace(measured[_measured_as(spec, i)], name=spec.layer_name(i)) for i in range(spec.num_layers)]
@@ -169,6 +181,7 @@ class _Feed:
     loss_fn: Callable
     first: bool
     precision: Precision
+    device: torch.device
 
 
 Located = set[tuple[int, int]]  # (data pointer, bytes): how the meter tells tensors apart
@@ -185,7 +198,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
     """
     captures = [ParameterOutputs([layer]) for layer in alike]
     samples: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
-    with feed.precision.step_region(torch.device("cpu")):  # bf16: weights cast once, as in a step
+    with feed.precision.step_region(feed.device):  # bf16: weights cast once, as in a step
         for run in range(warmup + repeats):
             for split in (False, True):
                 forwards = [
@@ -202,7 +215,7 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
     parameters = {p.data_ptr() for p in layer.parameters()}
     peak = _one_pass(layer, feed, capture, split=False).times["peak"]
     record = _one_pass(layer, feed, capture, split=True)
-    sizes = _sizes(record, parameters)
+    sizes = _sizes(record, parameters, feed.device)
     gradients = sum(p.numel() * p.element_size() for p in layer.parameters())
     kept = sizes["held"] + sizes["output_bytes"] + sizes["loss_held"] + gradients
     workspace = max(0, round(peak) - kept)
@@ -222,6 +235,9 @@ def _measure(alike: list[nn.Module], feed: _Feed, repeats: int, warmup: int):
         weight_grad=min(samples["W"]),
         keeps_graph=keeps_graph,
         workspace=workspace,
+        parameter_slack=sum(rounded(p.nbytes) - p.nbytes for p in layer.parameters())
+        if feed.device.type == "cuda"
+        else 0,
         **sizes,
     )
     return cost, pytree.tree_map(lambda t: t.detach(), record.output)
@@ -298,19 +314,19 @@ def _forward(layer: nn.Module, feed: _Feed, capture: ParameterOutputs, accumulat
 
     if not accumulate:
         layer.zero_grad(set_to_none=True)
-    base = _memory.start()
-    start = _now()
-    autocast = feed.precision.autocast(torch.device("cpu"))
+    base = _memory.start(feed.device)
+    start = _now(feed.device)
+    autocast = feed.precision.autocast(feed.device)
     with into(saved, kept), capture.capture() as captured, autocast:
         output = layer(fed)
     kept += [t for c in captured for t in (c.input, c.output) if t is not None]
     if feed.targets is not None:
-        with into(loss_saved), feed.precision.autocast(torch.device("cpu")):
+        with into(loss_saved), feed.precision.autocast(feed.device):
             roots, grads = [feed.loss_fn(feed.precision.for_loss(output), feed.targets)], None
     else:
         roots = [leaf for leaf in pytree.gradient_leaves(output) if leaf.requires_grad]
         grads = [torch.ones_like(leaf) for leaf in roots]
-    times = {"F": _now() - start}
+    times = {"F": _now(feed.device) - start}
     return _Forwarded(
         layer,
         feed,
@@ -331,22 +347,22 @@ def _forward(layer: nn.Module, feed: _Feed, capture: ParameterOutputs, accumulat
 
 
 def _backward(done: _Forwarded, split: bool) -> _Pass:
-    times, held = done.times, []
-    start = _now()
+    times, held, device = done.times, [], done.feed.device
+    start = _now(device)
     if split:
         with done.capture.rebuilding(done.captured):  # a checkpointed layer's modules hand their inputs over
             _, work = backward_input(
                 done.roots, done.grads, done.inputs, done.captured, done.capture.keeps_graph
             )
-        times["I"] = _now() - start
+        times["I"] = _now(device) - start
         held = held_tensors(work)
-        start = _now()
+        start = _now(device)
         backward_weight(work)
-        times["W"] = _now() - start
+        times["W"] = _now(device) - start
     else:
         backward_whole(done.roots, done.grads, done.inputs)
-        times["B"] = _now() - start
-        times["peak"] = _memory.peak() - done.base
+        times["B"] = _now(device) - start
+        times["peak"] = _memory.peak(device) - done.base
     if not done.accumulate:
         done.layer.zero_grad(set_to_none=True)
     targets = pytree.leaves(done.feed.targets) if done.feed.targets is not None else []
@@ -361,11 +377,14 @@ def _checkpointed_saves(layer: nn.Module, feed: _Feed) -> tuple[int, int, int, i
     recomputed = apply_recompute([layer], "every-1")
     parameters = {p.data_ptr() for p in layer.parameters()}
     record = _one_pass(layer, feed, ParameterOutputs([layer], recomputed), split=True)
-    sizes = _sizes(record, parameters)
+    sizes = _sizes(record, parameters, feed.device)
     return sizes["held"], sizes["keeps_input"], sizes["keeps_output"], sizes["weight_held"]
 
 
-def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
+def _sizes(record: _Pass, parameters: set[int], device: torch.device) -> dict[str, int]:
+    """What the layer holds, by the meter's rule; on a GPU each tensor as the allocator rounds it."""
+    block = rounded if device.type == "cuda" else (lambda nbytes: nbytes)
+
     def located(tensors) -> Located:
         return {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
 
@@ -374,7 +393,7 @@ def _sizes(record: _Pass, parameters: set[int]) -> dict[str, int]:
     new_outputs = outputs - inputs
 
     def total(items: Located) -> int:
-        return sum(nbytes for _, nbytes in items)
+        return sum(block(nbytes) for _, nbytes in items)
 
     targets = located(record.targets)
     loss_saved = {item for item in record.loss_saved if item[0] not in parameters} - outputs - targets
@@ -406,23 +425,23 @@ def _storage_bytes(record: _Pass, parameters: set[int]) -> int:
 
 
 class _Memory:
-    """The most memory allocated since ``start``: CUDA's own counter, or on a CPU the kernel's
+    """The most memory allocated since ``start``: CUDA's own counter on a GPU, or on a CPU the kernel's
     resident high-water mark (Linux), which sees large temporaries once the allocator returns freed
     blocks to the system (set ``MALLOC_MMAP_THRESHOLD_``); elsewhere 0."""
 
     _status = Path("/proc/self/status")
 
-    def start(self) -> int:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated()
+    def start(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return torch.cuda.memory_allocated(device)
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
         return self._read("VmRSS")
 
-    def peak(self) -> int:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.max_memory_allocated()
+    def peak(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device)
         return self._read("VmHWM")
 
     def _read(self, field: str) -> int:
@@ -436,7 +455,7 @@ class _Memory:
 _memory = _Memory()
 
 
-def _now() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # a measurement: the kernels queued so far are the time
+        torch.cuda.synchronize(device)
     return time.perf_counter()

@@ -25,11 +25,13 @@ Modelled beyond what the engine measures today:
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
+from pipeclock.plan import cuda_memory
 from pipeclock.plan.profile import LayerCost
 
 FP32_BYTES = 4  # a weight, and its gradient, in fp32
@@ -215,7 +217,12 @@ def rank_memory(
 ) -> list[RankMemory]:
     """Each rank's memory for ``table`` (a schedule with its placement) on the model cut by ``cut``;
     ``runtime`` is what the engine holds on each rank whatever the model (its Python objects, the
-    communication library's buffers, the allocator's own), given or measured with a tiny model."""
+    communication library's buffers, the allocator's own), given or measured with a tiny model. Layers
+    measured on a GPU add what the CUDA caching allocator holds beyond the tensors (``cuda_memory``):
+    cuBLAS's workspaces, and the rounding of every parameter, gradient and optimizer state."""
+    capability = layers[0].cuda_capability
+    runtime += cuda_memory.workspaces(capability, os.environ) if capability else 0
+    states = OPTIMIZER_STATE_BYTES[training.optimizer] // FP32_BYTES  # Adam: its two moments
     placement = placement_of(table)
     table = join_first_stage_backwards(table)  # as the engine runs it
     stages = [stage_bytes([layers[i] for i in part], training) for part in cut]
@@ -231,11 +238,14 @@ def rank_memory(
         chunks = [stages[s] for s in virtual]
         workspace = working_peak(actions, chunks, keeps_graph) - peak
         largest = max(layers[i].largest_parameter for i in held_layers)
+        slack = sum(layers[i].parameter_slack for i in held_layers)  # one copy's rounding, on a GPU
+        copy = 1 if COMPUTE_COPY_BYTES[training.dtype] else 0
         result.append(
             RankMemory(
-                parameters=(FP32_BYTES + COMPUTE_COPY_BYTES[training.dtype]) * parameters,
-                gradients=FP32_BYTES * parameters,
-                optimizer=OPTIMIZER_STATE_BYTES[training.optimizer] * parameters,
+                parameters=(FP32_BYTES + COMPUTE_COPY_BYTES[training.dtype]) * parameters
+                + slack * (1 + copy),
+                gradients=FP32_BYTES * parameters + slack,
+                optimizer=OPTIMIZER_STATE_BYTES[training.optimizer] * parameters + slack * states,
                 activations=peak,
                 messages=messages,
                 workspace=workspace,

@@ -49,7 +49,7 @@ def _measured_cut(config, num_virtual: int, table) -> list[range]:
 
     samples = math.ceil(config.batch_size / config.dp / config.microbatches)  # one replica's micro-batch
     training = Training(dtype=config.dtype)
-    measured = profile(_spec(config), samples, dtype=config.dtype)
+    measured = profile(_spec(config), samples, dtype=config.dtype, device=comms.device())
     return cut_for(measured, num_virtual, config.balance, training, table)
 
 

@@ -23,7 +23,12 @@ from pipeclock.training.tasks import LanguageTask
 def hf_source(config) -> str:
     """The path the run's model comes from: exactly one of ``--hf-config`` and ``--hf-model``."""
     given = [path for path in (config.hf_config, config.hf_model) if path]
-    if len(given) != 1:
+    if len(given) > 1:
+        raise ValueError(
+            "--hf-config and --hf-model both name the model: give one, --hf-config PATH (random weights) or "
+            "--hf-model DIR (its weights)"
+        )
+    if not given:
         raise ValueError("--model hf needs one of --hf-config PATH (random weights) or --hf-model DIR")
     path = Path(given[0])
     if not path.exists():

@@ -17,7 +17,12 @@ existing OUT is refused unless ``--overwrite`` is given.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from pipeclock.checkpoints import choice as checkpoint_choice
 from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.cli.arguments import check_output
 from pipeclock.models.registry import describe
+from pipeclock.observe.sizes import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if args.hf:
         return _export_hf(state, run_info, path, args.hf)
     try:
-        torch.save(state, args.output)
-    except (OSError, RuntimeError) as error:  # the disk filled up meanwhile; torch says so in a RuntimeError
-        print(f"pipeclock export: error: writing {args.output} failed: {_first_line(error)}", file=sys.stderr)
+        with _written_whole(args.output, state) as partial:
+            torch.save(state, partial)
+    except WriteFailed as error:
+        print(f"pipeclock export: error: {error}", file=sys.stderr)
         return 1
     print(
         f"exported {path} (step {run_info['step']}, {describe(run_info)}) to {args.output}: {_how(run_info)}"
@@ -96,6 +103,47 @@ def _how(run_info: dict) -> str:
     return f"load it into ShardedMLP({run_info['hidden']}, {run_info['layers']})"
 
 
+class WriteFailed(OSError):
+    """Writing the export failed (a full disk, most often); nothing was left at its path."""
+
+
+@contextmanager
+def _written_whole(output: str, state: dict) -> Iterator[Path]:
+    """A path beside ``output`` to write to, renamed to ``output`` once the block has written it all:
+    a failed write (a disk that filled up) leaves no truncated file, and what ``--overwrite`` would have
+    replaced stays whole. A failure is a ``WriteFailed`` saying why: on a full disk, the free space
+    against the model's size."""
+    target = Path(output)
+    partial, free = target.with_name(f".{target.name}.partial"), None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove(partial)
+        free = shutil.disk_usage(target.parent).free
+        yield partial
+        if target.is_dir():  # --hf --overwrite: the old folder goes once the new one is whole
+            shutil.rmtree(target)
+        os.replace(partial, target)
+    except (OSError, RuntimeError) as error:  # torch reports a short write in a RuntimeError
+        _remove(partial)
+        why = _why(error, free, state)
+        raise WriteFailed(f"writing {output} failed: {why}; nothing was written") from None
+
+
+def _why(error: BaseException, free: int | None, state: dict) -> str:
+    """A full disk said as one (``free`` is what it had before the write), else the error's first line."""
+    needed = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    if free is not None and (getattr(error, "errno", None) == errno.ENOSPC or free < needed):
+        return f"its disk is full (it had {format_bytes(free)} free, the model needs {format_bytes(needed)})"
+    return _first_line(error)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -117,11 +165,12 @@ def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
         print(f"pipeclock export: error: {error}", file=sys.stderr)
         return 2
     try:
-        save_pretrained(state, hf_config(run_info), output)
-        if tokens is not None:
-            tokens.save(output)
-    except (OSError, RuntimeError) as error:
-        print(f"pipeclock export: error: writing {output} failed: {_first_line(error)}", file=sys.stderr)
+        with _written_whole(output, state) as partial:
+            save_pretrained(state, hf_config(run_info), partial)
+            if tokens is not None:
+                tokens.save(partial)
+    except WriteFailed as error:
+        print(f"pipeclock export: error: {error}", file=sys.stderr)
         return 1
     tokenizer = f", and AutoTokenizer its tokenizer ({tokens.name})" if tokens is not None else ""
     print(

@@ -39,7 +39,7 @@ from pipeclock.cli.arguments import (
 )
 from pipeclock.comm_errors import CommError
 from pipeclock.generation.decode_program import simulate
-from pipeclock.generation.pipeline import Outcome, Settings, StageRunner, split_groups
+from pipeclock.generation.pipeline import TIMED_TOKENS, Outcome, Settings, StageRunner, split_groups
 from pipeclock.generation.stage_model import StageModel
 from pipeclock.models.registry import describe, run_tokens
 from pipeclock.models.sampling import sample
@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         check_output(args.png, "--png")
     rank, world = comms.init(timeout=args.timeout)
     torch.set_num_threads(1)  # a decode step is a batch of one byte: more threads only wait for each other
-    pieces = model.build(rank, world)
+    pieces = model.build(rank, world).to(comms.device())  # a GPU of its own under nccl
     checkpoint.load_weights(path, [pieces])
     settings = Settings(
         tokens=args.tokens, seq_len=model.seq_len, dim=model.dim, temperature=args.temperature,
@@ -271,7 +271,7 @@ def timelines(
     every: list[Outcome], world: int, groups: list[list[int]], tokens: int
 ) -> tuple[Timeline, Timeline]:
     """The measured timeline of every rank, and the engine's simulator's for the same decode program, in
-    seconds."""
+    seconds: of the first ``TIMED_TOKENS`` tokens, those the spans keep."""
     measured = Timeline([span for outcome in every for span in outcome.spans], world)
     sizes = [len(group) for group in groups]
     per_prompt = (
@@ -279,5 +279,5 @@ def timelines(
         if measured.spans
         else 0.0
     )
-    predicted = simulate(world, sizes, tokens, per_prompt)
+    predicted = simulate(world, sizes, min(tokens, TIMED_TOKENS), per_prompt)
     return measured, predicted

@@ -27,12 +27,16 @@ from pipeclock.engine.generators import (
     get_schedule,
     supports_chunks,
 )
+from pipeclock.engine.messenger import MAX_MICROBATCHES, MAX_STAGES
 from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
 from pipeclock.observe.simulate import DeadlockError, simulate
 from pipeclock.observe.timeline import Timeline
 from pipeclock.parallel.mesh import mesh_layout, pipelines
 
 DEFAULT_CHUNKS = 2
+# The most forwards (stages x micro-batches x chunks) one command simulates and draws: the work grows in
+# proportion, and a larger step shows no pattern a smaller one does not.
+MAX_FORWARDS = 50_000
 
 
 class UsageError(ValueError):
@@ -105,8 +109,11 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise  # a closed output: the command line ends quietly
     except (ValueError, OSError, DeadlockError) as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"pipeclock schedule: error: {first_line}", file=sys.stderr)
+        lines = str(error).splitlines() or [type(error).__name__]
+        # a deadlock's detail (where each rank is stuck, waiting for what) is the answer: all of it
+        deadlock = DeadlockError in (type(error), type(error.__context__))  # a CSV's comes wrapped
+        shown = lines if deadlock else lines[:1]
+        print("pipeclock schedule: error: " + "\n".join(shown), file=sys.stderr)
         return 2
 
 
@@ -141,6 +148,7 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
         if args.name:
             raise UsageError("name a schedule or give --schedule-csv, not both")
         schedule = load_csv(args.schedule_csv)
+        _check_size(len(schedule), _microbatches(schedule), num_chunks(schedule))
         checks = [("--stages", args.stages, len(schedule))]
         checks.append(("--microbatches", args.microbatches, _microbatches(schedule)))
         for option, given, found in checks:
@@ -152,7 +160,9 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
             "name a schedule (one of " + ", ".join(SCHEDULES) + "), give --schedule-csv, or pass --compare"
         )
     p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
-    return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
+    chunks = _chunks_for(args.name, args.chunks)
+    _check_size(p, m, chunks)
+    return args.name, generate(args.name, p, m, chunks)
 
 
 def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1) -> str:
@@ -207,6 +217,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError("--compare simulates every schedule; do not name one")
     p, m = _required(args.stages, "--stages"), _required(args.microbatches, "--microbatches")
     chunks = args.chunks if args.chunks is not None else DEFAULT_CHUNKS
+    _check_size(p, m, max(chunks, *(chunks_of(name) or 1 for name in SCHEDULES)))
     costs, latency = _costs(args.costs), args.latency
     timelines = {}
     for name in SCHEDULES:
@@ -286,6 +297,20 @@ def _required(value: int | None, option: str) -> int:
     if value is None:
         raise UsageError(f"{option} is required")
     return value
+
+
+def _check_size(p: int, m: int, chunks: int) -> None:
+    """Refuse, before any work, a step larger than the engine runs or than is worth simulating."""
+    if p * chunks > MAX_STAGES:
+        shown = f"--stages {p}" + (f" x {chunks} chunks" if chunks > 1 else "")
+        raise UsageError(f"{shown}: the engine runs at most {MAX_STAGES} virtual stages")
+    if m > MAX_MICROBATCHES - 1:
+        raise UsageError(f"--microbatches {m}: the engine runs at most {MAX_MICROBATCHES - 1} per step")
+    if p * m * chunks > MAX_FORWARDS:
+        raise UsageError(
+            f"--stages {p} x --microbatches {m} x {chunks} chunk(s) is {p * m * chunks} forwards per step: "
+            f"schedule simulates at most {MAX_FORWARDS} (fewer micro-batches show the same pattern)"
+        )
 
 
 def _chunks_for(name: str, chunks: int | None) -> int:

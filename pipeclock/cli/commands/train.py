@@ -8,10 +8,9 @@ run's measurements, and the last line is ``final loss <value> after <N> steps``.
 With ``--checkpoint-dir`` the run saves itself, and with ``--resume`` it continues from the newest
 sound checkpoint there (``--resume PATH``: another run's, or one checkpoint), so ``torchrun --max-restarts
 K ... --resume`` survives a rank that dies: the survivors fail fast (exit 1), torchrun restarts the group,
-and the run goes on from its last checkpoint. With torch 2.13, launch such a job with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun keeps one store for every attempt, and a
-restarted group can read the dead attempt's addresses from it and fail or hang in its first collective
-(pytorch/pytorch#135712).
+and the run goes on from its last checkpoint. With torch 2.13, launch such a job with ``--standalone``
+(or ``--rdzv-backend c10d``) and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``restart_warning`` says
+why, and which is missing).
 """
 
 from __future__ import annotations
@@ -235,7 +234,7 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
         if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
             raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
         print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
-        return 2 if isinstance(error, ValueError) else 1
+        return 2 if isinstance(error, ValueError) else 1  # a refusal (resume's too), or a failure
 
 
 def _first_line(error: BaseException) -> str:
@@ -275,8 +274,9 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
     boss = rank == 0
     if boss and world % (config.dp * config.tp) == 0:  # else train() refuses the layout: no headline
         print(_headline(config, world), flush=True)
-        if _restarts_share_a_store():
-            print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
+        warning = restart_warning(dict(os.environ))
+        if warning:
+            print(f"pipeclock train: warning: {warning}", file=sys.stderr, flush=True)
     text = functools.cache(lambda: make_task(config))  # reads a loss in bits per byte; built once needed
     per_byte = (lambda loss: text().bits_per_byte(loss)) if config.model != "mlp" else bits_per_byte
     progress = Progress(config.steps, enabled=boss, per_byte=per_byte)
@@ -316,17 +316,31 @@ def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
     Path(path).write_text(json.dumps({"first_step": first_step, "losses": losses}) + "\n")
 
 
-_SHARED_STORE_WARNING = (
-    "pipeclock train: warning: torchrun keeps one store for every restart, so a restarted group can read "
-    "the dead attempt's addresses and fail or hang (pytorch/pytorch#135712); launch with "
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to restart safely"
-)
+def restart_warning(env: dict[str, str]) -> str | None:
+    """What to change when ``torchrun --max-restarts K`` (K > 0) keeps one store for every attempt, which a
+    restarted group can read the dead attempt's addresses from, and then fail or hang in its first
+    collective (pytorch/pytorch#135712); None when the launch restarts safely, or not at all.
 
-
-def _restarts_share_a_store() -> bool:
-    """True under ``torchrun --max-restarts K`` (K > 0) with the store shared between attempts."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    The static rendezvous (torchrun without ``--standalone`` or ``--rdzv-backend c10d``) always keeps it:
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` does not reach it. It is the one whose run id is ``none``.
+    """
+    if (
+        int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0
+        or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
+        return None
+    if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1" or env.get("TORCHELASTIC_RUN_ID") == "none":
+        return (
+            "torchrun's static rendezvous (no --standalone, no --rdzv-backend c10d) keeps one store for "
+            "every restart, so a restarted group can read the dead attempt's addresses and fail or hang "
+            "(pytorch/pytorch#135712); launch with --standalone on one machine (--rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT on several) and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        )
+    return (
+        "torchrun keeps one store for every restart, so a restarted group can read the dead attempt's "
+        "addresses and fail or hang (pytorch/pytorch#135712); launch with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to restart safely"
+    )
 
 
 def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -> list[str]:

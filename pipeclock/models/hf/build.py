@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeclock.engine.notices import RunWarning
 from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie
 from pipeclock.models.hf.stage import HFStage
@@ -44,6 +45,7 @@ def prepared_config(config):
             warnings.warn(
                 f"{type(config).__name__}.{field} = {value}: attention dropout cannot be made exact "
                 "across stages, so it is turned off (other dropout stays, keyed)",
+                RunWarning,
                 stacklevel=3,
             )
             setattr(config, field, 0.0)

@@ -6,6 +6,7 @@ The names in pipeclock's checkpoints are HF's, so the whole model's state loads 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -28,4 +29,14 @@ def save_pretrained(state: dict[str, torch.Tensor], config, output: str | Path) 
     ):
         model.tie_weights()
     model.save_pretrained(str(output))
+    _follow_umask(Path(output))
     return Path(output)
+
+
+def _follow_umask(directory: Path) -> None:
+    """Give every file written the mode any new file gets here (safetensors writes its own 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~mask)

@@ -48,11 +48,20 @@ class Layout:
 
 
 def check_causal(config) -> None:
-    """Refuse encoder-decoder configs before anything is built."""
+    """Refuse encoder-decoder and encoder configs (BERT's kind, unless made a decoder) before anything is
+    built: AutoModelForCausalLM has a class for some encoders, which fails later in other words."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
     if getattr(config, "is_encoder_decoder", False):
         raise NotUnderstood(
             f"{type(config).__name__} describes an encoder-decoder model: pipeclock.models.hf splits "
             "decoder-only causal language models"
+        )
+    kind = getattr(config, "model_type", "")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise NotUnderstood(
+            f"{type(config).__name__} describes an encoder model ({kind}): encoder models are not causal "
+            "LMs; pipeclock.models.hf splits decoder-only causal language models"
         )
 
 
