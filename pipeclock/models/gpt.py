@@ -23,6 +23,9 @@ seen so far (``models.decoding``): a new token then costs one position. Training
 
 Positions are rotary (RoPE): nothing to learn, and any sequence up to ``seq_len`` works. Dropout is
 ``KeyedDropout`` on the embedding and on each residual branch, so pipelined dropout equals one device's.
+
+Tensor parallel (``tp_plan``) splits each block the Megatron way and the tied matrix by vocabulary; every
+dropout then acts on activations that are whole on every tp rank, so its masks are one device's too.
 """
 
 from __future__ import annotations
@@ -93,12 +96,19 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary position embeddings."""
+    """Causal multi-head self-attention with rotary position embeddings.
+
+    The queries, keys and values are three Linears (initialised as one fused matrix, ``build_piece``)
+    so that tensor parallel can split each by heads. The forward counts heads from its input's width,
+    not from the config: split by tensor parallel, a rank runs its own share of the heads.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.heads = config.heads
-        self.qkv = nn.Linear(config.dim, 3 * config.dim)
+        self.heads, self.head_dim = config.heads, config.dim // config.heads
+        self.q = nn.Linear(config.dim, config.dim)
+        self.k = nn.Linear(config.dim, config.dim)
+        self.v = nn.Linear(config.dim, config.dim)
         self.proj = nn.Linear(config.dim, config.dim)
 
     def forward(
@@ -106,15 +116,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """With a ``cache``, ``x`` holds the tokens that follow the cached ones: their keys and values join
         the cache and their queries attend to every cached token (a new token costs one position)."""
-        batch, tokens, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, tokens, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        cos, sin = _rotary(positions, dim // self.heads, x.dtype)
+        batch, tokens, _ = x.shape
+        q, k, v = (self._heads(linear(x)) for linear in (self.q, self.k, self.v))
+        cos, sin = _rotary(positions, self.head_dim, x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = cache.attend(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(batch, tokens, dim))
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        """``(batch, tokens, heads x head_dim)`` -> ``(batch, heads, tokens, head_dim)``."""
+        batch, tokens, _ = projected.shape
+        return projected.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
 
 
 class LayerCache:
@@ -122,8 +137,8 @@ class LayerCache:
     dim)`` each, in buffers of ``capacity`` tokens allocated once (the model's context)."""
 
     def __init__(self, attention: Attention, capacity: int, batch: int = 1, device=None):
-        weight = attention.qkv.weight
-        shape = (batch, attention.heads, capacity, weight.shape[1] // attention.heads)
+        weight = attention.q.weight
+        shape = (batch, attention.heads, capacity, attention.head_dim)
         dtype, device = weight.dtype, device or weight.device
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -238,10 +253,19 @@ def build_piece(index: int, config: GPTConfig) -> nn.Module:
                 parameter.zero_()
             elif name.startswith(("ln", "ln_f")):
                 parameter.fill_(1.0)
-            else:
+            elif name.endswith("attn.q.weight"):  # q, k, v drawn as one matrix, in that order
+                fused = torch.empty(3 * config.dim, config.dim).normal_(0.0, 0.02, generator=generator)
+                for part, weight in zip(fused.chunk(3), _qkv_weights(piece), strict=True):
+                    weight.copy_(part)
+            elif not name.endswith(("attn.k.weight", "attn.v.weight")):
                 std = residual_std if name.endswith(("attn.proj.weight", "out.weight")) else 0.02
                 parameter.normal_(0.0, std, generator=generator)
     return piece
+
+
+def _qkv_weights(block: nn.Module) -> list[torch.Tensor]:
+    attention = block.attn
+    return [attention.q.weight, attention.k.weight, attention.v.weight]
 
 
 def _embedding_matrix(config: GPTConfig) -> torch.Tensor:
@@ -299,6 +323,37 @@ class GPT:
         parts = [_pieces(config, ranges[v]) for v in virtual_stages(rank, num_stages, chunks, resolved)]
         _tie_locally(parts)
         return parts
+
+
+def tp_plan(config: GPTConfig, tp: int) -> dict[str, str]:
+    """The GPT's tensor-parallel plan, in transformers' format, over ``gpt_sequential``'s names.
+
+    A block the Megatron way: ``q``, ``k``, ``v`` split by columns, so each rank holds whole heads and
+    attends with no message; the output projection by rows (one all-reduce of the branch); the MLP's
+    ``fc`` by columns (the GELU on each rank's slice) and ``out`` by rows (one all-reduce).
+
+    The token embedding and the tied LM head are split too, both by vocabulary (the rows of the one
+    matrix): at this model's sizes the head's product costs as much as a block's attention, and the
+    matrix is the largest one. The embedding then looks up only the ids in its rows and one all-reduce
+    sums the lookups; the head computes its slice of the logits and one all-gather joins them, so the
+    loss is taken on whole logits on every tp rank. Both ends hold the same rows, so the tie's copies on
+    the first and the last stage are split alike and their gradients are summed slice by slice.
+
+    Raises ``ValueError`` when ``tp`` does not divide the heads or the vocabulary.
+    """
+    for size, what in ((config.heads, "attention heads (--heads)"), (config.vocab_size, "vocabulary")):
+        if size % tp:
+            raise ValueError(f"--tp {tp} does not divide the GPT's {size} {what}")
+    return {
+        "embed.wte": "embedding_rowwise",
+        "h*.attn.q": "colwise",
+        "h*.attn.k": "colwise",
+        "h*.attn.v": "colwise",
+        "h*.attn.proj": "rowwise",
+        "h*.fc": "colwise",
+        "h*.out": "rowwise",
+        "head.lm_head": "colwise_gather_output",
+    }
 
 
 def parameter_count(module: nn.Module) -> int:
