@@ -7,6 +7,11 @@ the one-stage model, whatever the number of stages.
 
 Rank r's chunk c is virtual stage ``c * num_stages + r`` (see ``pipeclock.engine.actions``), so with
 ``chunks > 1`` each rank holds several non-adjacent slices of the model.
+
+Tensor parallel (``tp_plan``) splits the layers in pairs, the Megatron way: the first of a pair by
+columns (each rank computes a slice of its outputs, and the ReLU on its slice), the second by rows (each
+rank multiplies its slice, and one all-reduce sums them), so a pair costs one collective forward and one
+backward. Pairs never straddle a stage: a stage's output is then whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -71,6 +76,21 @@ class ShardedMLP(nn.Module):
     def extra_repr(self) -> str:
         layers = self.layer_indices
         return f"stage={self.stage}/{self.num_stages}, layers={layers.start}..{layers.stop - 1}"
+
+
+def tp_plan(hidden: int, stages: Sequence[range], tp: int) -> dict[str, str]:
+    """The MLP's tensor-parallel plan for a model cut into ``stages`` (each stage's layer indices): within
+    each stage, layers paired from its first, column then row; an odd last layer stays whole.
+
+    Raises ``ValueError`` when ``tp`` does not divide the width (every split layer cuts it).
+    """
+    if hidden % tp:
+        raise ValueError(f"--tp {tp} does not divide the MLP's width {hidden} (--hidden)")
+    plan = {}
+    for layers in stages:
+        for first in range(layers.start, layers.stop - 1, 2):
+            plan[f"layers.{first}"], plan[f"layers.{first + 1}"] = "colwise", "rowwise"
+    return plan
 
 
 def _seeded_linear(hidden: int, seed: int, index: int) -> nn.Linear:

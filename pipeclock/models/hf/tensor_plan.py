@@ -1,0 +1,41 @@
+"""Tensor parallel for a Hugging Face causal LM: the plan ``transformers`` itself applies to the model.
+
+A family declares its plan in its config (``base_model_tp_plan``: the attention projections and the MLP,
+the Megatron way) and its CausalLM class (the LM head's split); ``transformers`` merges them, adding the
+token embedding split by vocabulary, into the model's ``tp_plan``, named from the CausalLM down
+(``model.layers.*.self_attn.q_proj``). A stage (`HFStage`) holds its pieces under those same names, so
+the merged plan applies to each rank's share as it is. A family whose config has no plan is refused;
+``given`` (a ``--tp-plan`` file, in ``base_model_tp_plan``'s format) stands in for the config's, merged
+the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pipeclock.models.hf.build import copy_config, meta_model, prepared_config
+
+
+def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The whole model's plan (names from the CausalLM down), once ``tp`` is known to split its heads
+    (when the plan splits attention: a pattern naming an ``attn`` or ``attention`` module).
+
+    Raises ``ValueError`` for a config without a plan (none given) or heads that ``tp`` does not divide.
+    """
+    config = prepared_config(config)
+    if given is not None:
+        config = copy_config(config)
+        config.base_model_tp_plan = dict(given)
+    if not config.base_model_tp_plan:
+        raise ValueError(
+            f"{type(config).__name__} has no tensor-parallel plan (its base_model_tp_plan is empty): "
+            "give one with --tp-plan FILE (a JSON in the same format, "
+            '{"layers.*.mlp.up_proj": "colwise", ...})'
+        )
+    if any("attn" in pattern or "attention" in pattern for pattern in config.base_model_tp_plan):
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for size, what in ((heads, "attention heads"), (kv_heads, "key/value heads")):
+            if isinstance(size, int) and size % tp:
+                raise ValueError(f"--tp {tp} does not divide the model's {size} {what}")
+    return dict(meta_model(config).tp_plan)
