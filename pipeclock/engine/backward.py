@@ -6,7 +6,9 @@ for the stage input's and those outputs' gradients; ``W`` turns each output grad
 weight gradients (one ``addmm_`` into ``.grad`` for an ``nn.Linear``, autograd for the rest). A backward
 that W follows at once is split only where that pays (``in_place_pays``), else it is one autograd call
 with no hook. Inside a checkpointed block a block is rebuilt once per micro-batch, not once per call;
-under autocast a weight gradient is computed as autograd would. Why, in detail: docs/engine.md.
+under autocast a weight gradient is computed as autograd would. A Linear split by tensor parallel (its
+weight a DTensor) gets its shard's gradient from this rank's own slices: W sends nothing. Why, in
+detail: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.distributed.tensor import DTensor
 
 from pipeclock.engine import rng
 
@@ -67,7 +70,7 @@ def in_place_pays(owners: Sequence[nn.Module]) -> bool:
     hold parameters directly) are all ``nn.Linear`` and their weights are large enough."""
     if not owners or not all(isinstance(m, nn.Linear) for m in owners):
         return False
-    return sum(m.weight.numel() for m in owners) >= IN_PLACE_PAYS_FROM * len(owners)
+    return sum(_local(m.weight).numel() for m in owners) >= IN_PLACE_PAYS_FROM * len(owners)
 
 
 # An in-place W saves, per module, a temporary the size of its weight; it costs holding every module's
@@ -84,7 +87,9 @@ def in_place_saves_enough(captured: Sequence[Captured]) -> bool:
     ``captured`` is one forward's capture; recomputed modules (no output kept) are not counted.
     """
     outputs = [item for item in captured if item.output is not None]
-    weights = sum(item.module.weight.numel() for item in outputs if isinstance(item.module, nn.Linear))
+    weights = sum(
+        _local(item.module.weight).numel() for item in outputs if isinstance(item.module, nn.Linear)
+    )
     return bool(outputs) and weights >= IN_PLACE_SAVES_FROM * sum(item.output.numel() for item in outputs)
 
 
@@ -136,7 +141,7 @@ class ParameterOutputs:
         if module in self._recomputed:
             self._captured.append(Captured(module, None, None, 0, get_gradient_edge(output)))
             return
-        linear_input = args[0].detach() if isinstance(module, nn.Linear) else None
+        linear_input = _local(args[0]).detach() if isinstance(module, nn.Linear) else None
         self._captured.append(Captured(module, linear_input, output, output._version))
 
     @contextmanager
@@ -182,7 +187,7 @@ class ParameterOutputs:
 
 def _collect_rebuilt(item: Captured, args: tuple) -> None:
     if isinstance(item.module, nn.Linear):
-        item.input = args[0].detach()
+        item.input = _local(args[0]).detach()
         return
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     device = next((a.device.type for a in detached if isinstance(a, torch.Tensor)), "cpu")
@@ -316,23 +321,66 @@ def _linear_weight_grad(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tens
     """weight.grad += grad_out^T x and bias.grad += sum(grad_out), in place, over all leading dims.
 
     Under autocast the output gradient is in the compute dtype: the input is rounded to it as the forward
-    rounded it, and the product is added to the float32 ``.grad``, as autograd does.
+    rounded it, and the product is added to the float32 ``.grad``, as autograd does. A split weight
+    (tensor parallel) gets this rank's shard: ``x`` and ``grad_out`` are then this rank's own tensors.
     """
-    x2, g2 = _as_matrix(x).to(grad_out.dtype), _as_matrix(grad_out)
     weight, bias = linear.weight, linear.bias
+    x2 = _own_part(_as_matrix(x), weight, 1).to(grad_out.dtype)
+    g2 = _own_part(_as_matrix(_local(grad_out)), weight, 0)
     if weight.requires_grad:
-        if weight.grad is None:
-            weight.grad = g2.t().mm(x2).to(weight.dtype)
-        elif g2.dtype == weight.grad.dtype:
-            weight.grad.addmm_(g2.t(), x2)  # the product lands in .grad: no temporary to add
-        else:
-            weight.grad.add_(g2.t().mm(x2))
+        _accumulate(weight, g2.t(), x2)
     if bias is not None and bias.requires_grad:
-        summed = g2.sum(0)
-        if bias.grad is None:
-            bias.grad = summed.to(bias.dtype)
-        else:
-            bias.grad.add_(summed)
+        _accumulate(bias, g2.sum(0))
+
+
+def _accumulate(parameter: torch.Tensor, grad: torch.Tensor, times: torch.Tensor | None = None) -> None:
+    """``parameter.grad += grad`` (``grad @ times`` when ``times`` is given), on this rank's shard of a
+    split parameter; the product lands in an existing ``.grad`` of the same dtype without a temporary."""
+    if parameter.grad is None:
+        value = grad if times is None else grad.mm(times)
+        parameter.grad = _like(parameter, value.to(parameter.dtype))
+        return
+    local = _local(parameter.grad)
+    if times is None:
+        local.add_(grad)
+    elif grad.dtype == local.dtype:
+        local.addmm_(grad, times)
+    else:
+        local.add_(grad.mm(times))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor split by tensor parallel (a DTensor); any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _own_part(t: torch.Tensor, weight: torch.Tensor, dim: int) -> torch.Tensor:
+    """The columns of ``t`` that this rank's shard of ``weight`` meets along the weight's ``dim`` (0: its
+    output features, 1: its input features): all of ``t`` unless the weight is split along ``dim`` and
+    ``t`` is whole there (an output gathered after a column split, say). The split is even."""
+    if not isinstance(weight, DTensor):
+        return t
+    size = weight.to_local().shape[dim]
+    if t.shape[-1] == size:
+        return t
+    split = [i for i, p in enumerate(weight.placements) if p.is_shard(dim)]
+    if len(split) != 1 or t.shape[-1] != weight.shape[dim]:
+        raise RuntimeError(
+            f"a split Linear's weight {tuple(weight.shape)} ({weight.placements}) does not meet "
+            f"its {'output gradient' if dim == 0 else 'input'} of width {t.shape[-1]}"
+        )
+    start = weight.device_mesh.get_coordinate()[split[0]] * size
+    return t[:, start : start + size]
+
+
+def _like(parameter: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``parameter`` from this rank's part of it: split the same way as the parameter."""
+    if not isinstance(parameter, DTensor):
+        return local
+    return DTensor.from_local(
+        local, parameter.device_mesh, parameter.placements, run_check=False,
+        shape=parameter.shape, stride=parameter.stride(),
+    )  # fmt: skip
 
 
 def _as_matrix(t: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,11 @@ class Messenger:
         return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
 
     def _to_wire(self, leaf: torch.Tensor) -> torch.Tensor:
+        """What leaves for another rank. A tensor subclass (the result of a tensor-parallel all-reduce
+        that may still be in flight, say) becomes a plain tensor first: a send reads raw memory, which
+        only an operation on the subclass waits for."""
+        if type(leaf) is not torch.Tensor:
+            leaf = leaf.detach().clone()
         dtype = self._wire(leaf.dtype)
         return leaf if dtype == leaf.dtype else leaf.detach().to(dtype)
 

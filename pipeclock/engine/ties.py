@@ -113,7 +113,7 @@ class TiedGradients:
                 if copy.grad is None:
                     copy.grad = torch.zeros_like(copy)
             grads = [_local(copy.grad) for copy in tied.copies]
-            total = sum(grads[1:], grads[0].clone())
+            total = sum(grads[1:], grads[0].clone(memory_format=torch.contiguous_format))  # as gloo needs
             if tied.group is not None:
                 comms.all_reduce(total, f"summing the gradients of the tied weight {tied.key}", tied.group)
             for grad in grads:
