@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeclock import comms
@@ -189,10 +190,16 @@ def data_parallel(chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "
 
     Give ``.chunks`` and the returned object to ``Pipeline(..., replicas=...)``; ``.modules`` are the
     chunks as built (what to checkpoint). Build the optimizer after this call: FSDP2 replaces each
-    parameter by its shard.
+    parameter by its shard. Chunks split by tensor parallel (``tensor_parallel``, called first) take
+    FSDP2 only: it shards the tp shards over the replicas, a 2D layout; DDP refuses DTensors.
     """
     if engine not in DATA_PARALLEL:
         raise ValueError(f"rank {comms.get_rank()}: unknown data-parallel engine {engine!r}: use fsdp or ddp")
+    if engine == "ddp" and any(isinstance(p, DTensor) for chunk in chunks for p in chunk.parameters()):
+        raise ValueError(
+            f"rank {comms.get_rank()}: DDP cannot hold tensor-parallel parameters (torch has no DTensor "
+            "rule for the broadcast DDP starts with): use --data-parallel fsdp with --tp"
+        )
     kind = FullyShardedReplicas if engine == "fsdp" else DistributedReplicas
     _own_parameters(chunks)
     return kind(chunks, mesh)
