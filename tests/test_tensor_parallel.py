@@ -178,8 +178,95 @@ def layouts(rank: int, world: int, runs: list[tuple[int, int, list[tuple[str, st
     return found
 
 
-def check(world: int, runs) -> None:
-    per_rank = run_ok(layouts, world, runs, deadline=600)
+def refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
+    """What each bad plan or layout raises on this rank, and whether anything was split before it."""
+    from pipeclock.models import hf
+    from tests.hf_cases import gpt2_config
+
+    mesh = parallel.init_mesh(1, world)
+    config = gpt.GPTConfig(**GPT_CONFIG)
+
+    def attempt(make_plan, chunks=None) -> tuple[str, bool]:
+        chunks = chunks or gpt.GPT.for_rank(config, 0, 1)
+        try:
+            parallel.tensor_parallel(chunks, mesh, make_plan(), "--tp-plan bad.json")
+            return "accepted", True
+        except ValueError as error:
+            split = any(hasattr(p, "placements") for c in chunks for p in c.parameters())
+            return str(error), split
+
+    narrow = gpt.GPTConfig(**{**GPT_CONFIG, "vocab_size": 255})
+    three_heads = gpt.GPTConfig(**{**GPT_CONFIG, "dim": 12, "heads": 3})
+    llama = llama_config(layers=2)
+    llama.num_key_value_heads = 1
+    return {
+        "absent module": attempt(lambda: {"h0.attn.q": "colwise", "h*.attn.qkv": "colwise"}),
+        "unknown style": attempt(lambda: {"h0.attn.q": "packed_colwise"}),
+        "not a Linear": attempt(lambda: {"h0.ln1": "colwise"}),
+        "tie split at one end": attempt(lambda: {"embed.wte": "embedding_rowwise"}),
+        "width": attempt(lambda: {"layers.0": "colwise"}, mlp.ShardedMLP.for_rank(15, 2, 0, 1)),
+        "mlp width": attempt(lambda: mlp.tp_plan(15, [range(2)], world)),
+        "heads": attempt(lambda: gpt.tp_plan(three_heads, world)),
+        "vocabulary": attempt(lambda: gpt.tp_plan(narrow, world)),
+        "no hf plan": attempt(lambda: hf.tp_plan(gpt2_config(), world)),
+        "key/value heads": attempt(lambda: hf.tp_plan(llama, world)),
+        "ddp": _ddp_refusal(mesh, config),
+    }
+
+
+def _ddp_refusal(mesh, config) -> tuple[str, bool]:
+    chunks = parallel.tensor_parallel(gpt.GPT.for_rank(config, 0, 1), mesh, gpt.tp_plan(config, 2))
+    try:
+        parallel.data_parallel(chunks, mesh, "ddp")
+        return "accepted", True
+    except ValueError as error:
+        return str(error), False
+
+
+TP2 = [(1, 2, [("mlp", "1f1b", 3), ("gpt", "gpipe", 3), ("llama", "1f1b", 2), ("llama-tied", "zb-h1", 3)])]
+
+
+def on_two_ranks(rank: int, world: int) -> tuple[dict, dict]:
+    return layouts(rank, world, TP2), refusals(rank, world)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[tuple[dict, dict]]:
+    """One launch of two processes for both tests at tp 2 (starting processes is the slow part)."""
+    return run_ok(on_two_ranks, 2, deadline=600)
+
+
+def test_a_bad_plan_or_layout_is_one_line_on_every_rank_before_anything_is_split(two_ranks):
+    expected = {
+        "absent module": "--tp-plan bad.json names h*.attn.qkv, which the model does not have",
+        "unknown style": "--tp-plan bad.json asks for 'packed_colwise', which pipeclock does not translate",
+        "not a Linear": "--tp-plan bad.json splits h0.ln1 (colwise), a LayerNorm: only nn.Linear and",
+        "tie split at one end": "splits the tied weight embed.wte.weight differently where it is used",
+        "width": "--tp 2 does not divide the 15 output features of layers.0 (colwise splits them)",
+        "mlp width": "--tp 2 does not divide the MLP's width 15 (--hidden)",
+        "heads": "--tp 2 does not divide the GPT's 3 attention heads (--heads)",
+        "vocabulary": "--tp 2 does not divide the GPT's vocabulary of 255",
+        "no hf plan": "GPT2Config has no tensor-parallel plan (its base_model_tp_plan is empty): give one "
+        "with --tp-plan FILE",
+        "key/value heads": "--tp 2 does not divide the model's 1 key/value heads",
+        "ddp": "DDP cannot hold tensor-parallel parameters",
+    }
+    for rank, (_, found) in enumerate(two_ranks):
+        for case, (message, split) in found.items():
+            assert expected[case] in message and "\n" not in message and not split, (rank, case, message)
+            if case in (
+                "absent module",
+                "unknown style",
+                "not a Linear",
+                "tie split at one end",
+                "width",
+                "ddp",
+            ):
+                assert message.startswith(f"rank {rank}: "), message
+
+
+def check(world: int, runs, per_rank=None) -> None:
+    per_rank = per_rank or run_ok(layouts, world, runs, deadline=600)
     assert len(per_rank[0]) == sum(len(cases) for _, _, cases in runs)
     worst = {case: {k: max(r[case][k] for r in per_rank) for k in per_rank[0][case]} for case in per_rank[0]}
     bad = {
@@ -191,11 +278,8 @@ def check(world: int, runs) -> None:
     assert not bad, f"(dp, pp, tp) steps differ from one process in {len(bad)} of {len(worst)} cases: {bad}"
 
 
-def test_tp2_gives_the_one_process_loss_gradients_and_norm_for_the_mlp_the_gpt_and_llama():
-    check(
-        2,
-        [(1, 2, [("mlp", "1f1b", 3), ("gpt", "gpipe", 3), ("llama", "1f1b", 2), ("llama-tied", "zb-h1", 3)])],
-    )
+def test_tp2_gives_the_one_process_loss_gradients_and_norm_for_the_mlp_the_gpt_and_llama(two_ranks):
+    check(2, TP2, [found for found, _ in two_ranks])
 
 
 def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm():

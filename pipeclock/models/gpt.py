@@ -341,9 +341,13 @@ def tp_plan(config: GPTConfig, tp: int) -> dict[str, str]:
 
     Raises ``ValueError`` when ``tp`` does not divide the heads or the vocabulary.
     """
-    for size, what in ((config.heads, "attention heads (--heads)"), (config.vocab_size, "vocabulary")):
+    heads, vocabulary = config.heads, config.vocab_size
+    for size, what in (
+        (heads, f"{heads} attention heads (--heads)"),
+        (vocabulary, f"vocabulary of {vocabulary}"),
+    ):
         if size % tp:
-            raise ValueError(f"--tp {tp} does not divide the GPT's {size} {what}")
+            raise ValueError(f"--tp {tp} does not divide the GPT's {what}")
     return {
         "embed.wte": "embedding_rowwise",
         "h*.attn.q": "colwise",
