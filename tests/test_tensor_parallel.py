@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeclock import parallel, schedule
-from pipeclock.engine import rng
+from pipeclock.engine import program, rng
+from pipeclock.engine.generators import generate
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.ties import tie_key
 from pipeclock.models import gpt, mlp
+from pipeclock.parallel.mesh import mesh_layout, pipelines
 from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok
 from tests.hf_cases import llama_config, padded_batch, reference
@@ -51,7 +53,15 @@ def gaps(loss: float, want_loss: float, chunks, want: dict, pipe, mesh) -> dict[
         "loss": abs(loss - want_loss) / abs(want_loss),
         "grad": max(grads),
         "norm": abs(norm - want_norm) / want_norm,
+        "stages on another replica or tp rank": float(len(strangers(pipe.peers, mesh))),
     }
+
+
+def strangers(peers: list[int], mesh) -> list[int]:
+    """The ranks of this rank's pipeline that are not its replica's ranks of its own tp index."""
+    tp, per_replica = mesh["tp"].size(), mesh["pp"].size() * mesh["tp"].size()
+    me = torch.distributed.get_rank()
+    return [p for p in peers if p % tp != me % tp or p // per_replica != me // per_replica]
 
 
 def token_batch(batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,3 +312,19 @@ def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradie
 @pytest.mark.slow
 def test_dp2_x_pp2_x_tp2_on_eight_processes_gives_the_one_process_loss_gradients_and_norm():
     check(8, [(2, 2, [("mlp", "gpipe", 2), ("gpt", "zb-v", 3), ("llama-tied", "1f1b", 2)])])
+
+
+def test_tp_rank_t_of_stage_s_exchanges_with_tp_rank_t_of_the_stages_beside_it_and_the_program_says_so():
+    programs = program.lower(generate("1f1b", 2, 2))
+    layout = mesh_layout(8, dp=2, tp=2)  # rank = 4 dp + 2 stage + tp
+    on_mesh = {}
+    for ranks in pipelines(8, dp=2, tp=2):
+        on_mesh.update(zip(ranks, program.on_ranks(programs, ranks), strict=True))
+    for rank, runs in on_mesh.items():
+        d, s, t = (int(i) for i in (layout == rank).nonzero()[0])
+        assert {i.peer for i in runs if i.kind in program.MESSAGES} == {int(layout[d, 1 - s, t])}
+    names = [f"rank {r}" for r in range(8)]
+    text = program.describe([on_mesh[r] for r in range(8)], names=names).splitlines()
+    assert text[6] == (
+        "rank 6: SIZES AGREE 1RECV_F0<-4 1F0 1B0 1SEND_B0->4 1RECV_F1<-4 1F1 1B1 1SEND_B1->4 LOSS"
+    )

@@ -13,7 +13,7 @@ Why, in detail: docs/engine.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeclock.engine.actions import Action, placement_of
 from pipeclock.engine.placement import Placement
@@ -414,7 +414,31 @@ def _need_text(need: Need, rank: int) -> str:
     return f"B{mb} (or I{mb}) on rank {rank}" if kind == "B" else f"{kind}{mb} on rank {rank}"
 
 
-def describe(programs: Sequence[Program], rank: int | None = None) -> str:
-    """One line per rank: ``rank 1: SIZES 1RECV_F0 1F0 1SEND_F0 ...`` (all ranks, or one)."""
+def on_ranks(programs: Sequence[Program], ranks: Sequence[int]) -> list[Program]:
+    """A pipeline's programs as global rank ``ranks[r]`` runs program ``r``: each message's peer becomes
+    that global rank. Within a mesh every (replica, tp rank) runs its own copy of the one pipeline's
+    programs over its own ranks, so tp rank t of stage s exchanges with tp rank t of stages s +- 1."""
+    return [
+        [i if i.peer is None else replace(i, peer=ranks[i.peer]) for i in program] for program in programs
+    ]
+
+
+def with_peer(instruction: Instruction) -> str:
+    """An instruction's cell text with the rank at the message's other end: ``1SEND_F0->3``,
+    ``1RECV_F0<-1``; any other instruction as ``str`` gives it."""
+    if instruction.kind not in MESSAGES or instruction.peer is None:
+        return str(instruction)
+    arrow = "->" if instruction.kind.startswith("SEND") else "<-"
+    return f"{instruction}{arrow}{instruction.peer}"
+
+
+def describe(
+    programs: Sequence[Program], rank: int | None = None, *, names: Sequence[str] | None = None
+) -> str:
+    """One line per rank: ``rank 1: SIZES 1RECV_F0 1F0 1SEND_F0 ...`` (all ranks, or one). With ``names``
+    (each program's rank as it should be read, e.g. ``rank 5 (dp 0, pp 1, tp 1)``) each message also
+    names its peer (``with_peer``)."""
     ranks = range(len(programs)) if rank is None else [rank]
-    return "\n".join(f"rank {r}: " + " ".join(map(str, programs[r])) for r in ranks)
+    if names is None:
+        return "\n".join(f"rank {r}: " + " ".join(map(str, programs[r])) for r in ranks)
+    return "\n".join(f"{names[r]}: " + " ".join(map(with_peer, programs[r])) for r in ranks)
