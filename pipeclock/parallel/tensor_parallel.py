@@ -31,9 +31,11 @@ gradients shard by shard is summing whole; a weight two modules of one rank shar
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from pathlib import Path
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -127,6 +129,26 @@ def _gradient_laid_out_as_parameter(parameter: DTensor) -> None:
     grad = parameter.grad
     if isinstance(grad, DTensor) and grad.placements != parameter.placements:
         parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+
+
+def read_plan(path: str | Path) -> dict[str, str]:
+    """A plan from a JSON file (``--tp-plan FILE``): one object mapping module patterns to style names.
+
+    Raises ``ValueError`` (one line naming the file) for a file that cannot be read or is not such an
+    object; the styles themselves are checked where the plan is applied.
+    """
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise ValueError(f"--tp-plan {path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--tp-plan {path}: not JSON ({error.msg}, line {error.lineno})") from None
+    if not isinstance(plan, dict) or not all(isinstance(v, str) for v in plan.values()) or not plan:
+        raise ValueError(
+            f"--tp-plan {path}: expected a JSON object of module patterns and style names, "
+            '{"layers.*.mlp.up_proj": "colwise", ...}'
+        )
+    return plan
 
 
 def _check_styles(plan: Plan, source: str) -> None:
