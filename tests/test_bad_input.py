@@ -71,6 +71,16 @@ TRAIN_CASES: list[tuple[Case, dict, dict]] = [
     (Case("a `--schedule-csv` and other `--microbatches`", ("two.csv has 4 micro-batches", "--microbatches"),
           names_rank=False),
      dict(SMALL, schedule_csv="two.csv", microbatches=2), {}),
+    (Case("`--tp 0`", ("--tp must be a whole number >= 1, got 0",), names_rank=False), dict(SMALL, tp=0), {}),
+    (Case("`--dp` x `--tp` that does not divide the processes", ("--dp 1 x --tp 4 = 4", "2 process(es)")),
+     dict(SMALL, tp=4), {}),
+    (Case("`--tp` that does not divide a GPT's heads", ("--tp 2", "3 attention heads")),
+     dict(model="gpt", dim=12, heads=3, layers=2, steps=1, batch_size=4, seq_len=16, tp=2), {}),
+    (Case("a `--tp-plan` naming a module the model lacks", ("--tp-plan absent.json", "h*.attn.qkv")),
+     dict(model="gpt", dim=16, heads=2, layers=2, steps=1, batch_size=4, seq_len=16, tp=2,
+          tp_plan="absent.json"), {}),
+    (Case("`--data-parallel ddp` with `--tp`", ("--data-parallel ddp", "--tp"), names_rank=False),
+     dict(SMALL, dp=2, tp=2, data_parallel="ddp"), {}),
     (Case("a model too large for memory", ("does not fit on rank 0", "planner estimates", "but it has")),
      dict(hidden=200_000, layers=64, steps=1, batch_size=8), {}),
     (Case("the loss going NaN (a learning rate that blows up)", ("the loss is nan at step", "--lr")),
@@ -202,6 +212,7 @@ def launch(tmp_path_factory) -> tuple[list[dict[str, str]], Path]:
     tmp = tmp_path_factory.mktemp("wrong-usages")
     save_csv(schedule.gpipe(3, 2), tmp / "three.csv")
     save_csv(schedule.gpipe(2, 4), tmp / "two.csv")
+    (tmp / "absent.json").write_text('{"h*.attn.q": "colwise", "h*.attn.qkv": "colwise"}')
     agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     lonely = [_alone(0, free_port()), _alone(1, free_port()), _alone(0, agent.port, agent_store=True)]
     outcomes = run_ranks(_wrong_usages, 2, str(tmp), timeout=10, deadline=400, linger=False)

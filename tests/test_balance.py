@@ -99,7 +99,8 @@ def test_the_profile_of_a_gpt_names_its_pieces_and_a_checkpointed_block_keeps_on
 
 
 def _my_layers(rank, world, balance):
-    from pipeclock.training.loop import TrainConfig, build_stage
+    from pipeclock.training.loop import TrainConfig
+    from pipeclock.training.stages import build_stage
 
     config = TrainConfig(hidden=32, layers=5, batch_size=8, steps=1, microbatches=2, balance=balance)
     return [sorted(int(i) for i in module.layers) for module in build_stage(config, rank, world)]

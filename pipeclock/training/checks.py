@@ -60,6 +60,7 @@ def check_values(config) -> None:
 
 def _check_data_parallel(config) -> None:
     _at_least("dp", config.dp, 1)
+    _check_tensor_parallel(config)
     if config.data_parallel not in ("fsdp", "ddp"):
         raise ValueError(f"--data-parallel must be fsdp or ddp, got {config.data_parallel!r}")
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:
@@ -73,12 +74,27 @@ def _check_data_parallel(config) -> None:
         )
 
 
+def _check_tensor_parallel(config) -> None:
+    _at_least("tp", config.tp, 1)
+    if config.tp_plan is not None and config.tp == 1:
+        raise ValueError(f"--tp-plan {config.tp_plan} needs --tp N with N > 1 (the ranks that share a stage)")
+    if config.tp > 1 and config.dp > 1 and config.data_parallel == "ddp":
+        raise ValueError(
+            "--data-parallel ddp cannot hold tensor-parallel parameters (DTensors): use fsdp with --tp"
+        )
+
+
 def check_world(config, world: int) -> None:
-    """What needs the number of processes: ``--dp`` divides them into equal pipelines."""
-    if world % config.dp:
+    """What needs the number of processes: ``--dp`` x ``--tp`` divides them into equal pipelines."""
+    if config.tp == 1 and world % config.dp:
         raise ValueError(
             f"--dp {config.dp} does not divide the {world} process(es) into equal pipelines "
             f"(processes = dp x pp): use a --dp that divides {world}"
+        )
+    if world % (config.dp * config.tp):
+        raise ValueError(
+            f"--dp {config.dp} x --tp {config.tp} = {config.dp * config.tp} does not divide the {world} "
+            f"process(es) into equal pipelines (processes = dp x pp x tp): use a dp x tp that divides {world}"
         )
 
 

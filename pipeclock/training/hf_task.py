@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeclock.engine.placement import Placement
 from pipeclock.models.text import bigram_bits_per_byte, bits_per_byte
+from pipeclock.parallel.tensor_parallel import read_plan
 from pipeclock.training.tasks import LanguageTask
 
 
@@ -87,6 +88,13 @@ class HFTask(LanguageTask):
     def batch(self, step: int, size: int):
         inputs, _ = super().batch(step, size)
         return inputs, inputs
+
+    def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
+        """The plan transformers applies to the model (its config's, or ``--tp-plan``'s in that format)."""
+        from pipeclock.models import hf
+
+        given = read_plan(self.config.tp_plan) if self.config.tp_plan else None
+        return hf.tp_plan(self.hf_config, tp, given)
 
     def bits_per_byte(self, loss: float) -> float:
         """Nats per token as bits per byte of the text: tokens of several bytes each carry their bytes'."""

@@ -39,10 +39,11 @@ from pipeclock.engine.generators import chunks_of, generate, get_schedule, suppo
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.models.text import bits_per_byte
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
-from pipeclock.parallel import clip_grad_norm, data_parallel, dp_rank, init_mesh, pp_rank, shard_of
+from pipeclock.parallel import clip_grad_norm
 from pipeclock.plan.memory_fit import check_fits
-from pipeclock.training.balance import check_balance, stage_cut
+from pipeclock.training.balance import check_balance
 from pipeclock.training.checks import agree, check_loss, check_values, check_world, naming_the_rank
+from pipeclock.training.stages import build_pipeline
 from pipeclock.training.task_choice import make_task
 
 # Per model, the defaults of the fields left at None. The MLP is wide enough that each micro-batch's
@@ -87,7 +88,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool | str = False  # True: checkpoint_dir's newest sound one; a path: that run's, or that one
     keep_last: int = 0  # after each save, keep only the newest N checkpoints; 0: keep every one
-    dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / dp
+    dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / (dp x tp)
+    tp: int = 1  # tensor-parallel ranks sharing each stage (innermost in the mesh)
+    tp_plan: str | None = None  # a JSON plan in transformers' base_model_tp_plan format; None: the model's
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
     balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
@@ -158,17 +161,6 @@ class TrainResult:
         return self.losses[-1] if self.losses else self.resumed_loss
 
 
-def build_stage(config: TrainConfig, rank: int, world: int, task=None) -> list[torch.nn.Module]:
-    """This rank's chunks of the model, on its device; nothing of the other ranks' layers is allocated.
-
-    Which virtual stages they are is the schedule's placement (the loop, a V, or a file's).
-    """
-    task = task or make_task(config)
-    placement = config.table(world).placement
-    cut = stage_cut(config, config.table(world))
-    return [part.to(comms.device()) for part in task.build(rank, world, placement, cut)]
-
-
 def unique_parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Every parameter once, even one that two chunks share (a tie on one rank)."""
     seen: dict[int, torch.nn.Parameter] = {}
@@ -198,7 +190,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
 def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     with naming_the_rank():
         task = _checked_task(config)
-        pipe, modules, shard = _build_pipeline(config, task)
+        pipe, modules, shard, mesh = build_pipeline(config, task)
     optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
     resumed = _resume(config, task, modules, optimizer)
     start = resumed.step if resumed else 0
@@ -215,7 +207,7 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
         losses.append(pipe.step(inputs[shard], targets[shard]))
         check_loss(losses[-1], step)
         if config.clip_grad_norm is not None:
-            clip_grad_norm(pipe, config.clip_grad_norm)
+            clip_grad_norm(pipe, config.clip_grad_norm, mesh)
         optimizer.step()
         records.append(pipe.last)
         if on_step:
@@ -263,31 +255,11 @@ def _checked_task(config: TrainConfig):
     world = comms.get_world_size()
     check_world(config, world)
     task = make_task(config)
-    pp = world // config.dp
-    check_fits(config, config.table(pp), comms.get_rank() % pp, comms.device())
+    pp = _stages(config)
+    if config.tp > 1:  # the model's own checks (heads, widths): before any rank waits for another
+        task.tp_plan(config.tp, None, config.table(pp).placement.num_virtual)
+    check_fits(config, config.table(pp), comms.get_rank() // config.tp % pp, comms.device())
     return task
-
-
-def _build_pipeline(config: TrainConfig, task) -> tuple[Pipeline, list[torch.nn.Module], slice]:
-    """This rank's pipeline, the modules it holds (as built), and its replica's slice of each batch.
-
-    With ``dp`` > 1 the world is a (dp, pp) mesh: the pipeline runs on its "pp" group and FSDP2 or DDP
-    keeps the replicas in step over the "dp" group.
-    """
-    world = comms.get_world_size()
-    options = dict(measure_memory=config.measure_memory, recompute=config.recompute, dtype=config.dtype)
-    if config.dp == 1:
-        modules = build_stage(config, comms.get_rank(), world, task)
-        pipe = Pipeline(modules, config.table(world), config.microbatches, task.loss_fn, **options)
-        return pipe, modules, slice(None)
-    mesh = init_mesh(config.dp)
-    pp = world // config.dp
-    modules = build_stage(config, pp_rank(mesh), pp, task)
-    replicas = data_parallel(modules, mesh, config.data_parallel)
-    options |= dict(group=mesh.get_group("pp"), replicas=replicas)
-    pipe = Pipeline(replicas.chunks, config.table(pp), config.microbatches, task.loss_fn, **options)
-    shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
-    return pipe, replicas.modules, slice(shard.start, shard.stop)
 
 
 def _evaluation_due(config: TrainConfig, task, steps_done: int) -> bool:
@@ -360,8 +332,8 @@ def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Positio
     resume.check_no_newer(config, found)
     position = checkpoint.load(found, modules, optimizer)
     resume.set_learning_rate(optimizer, config.lr)
-    before = _layout(saved["stages"], saved.get("replicas", 1))
-    now = _layout(comms.get_world_size() // config.dp, config.dp).removesuffix(" stage(s)")
+    before = _layout(saved["stages"], saved.get("replicas", 1), saved.get("tp", 1))
+    now = _layout(_stages(config), config.dp, config.tp).removesuffix(" stage(s)")
     _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
     changed = resume.changes(saved, config)
     if changed:
@@ -369,8 +341,16 @@ def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Positio
     return position
 
 
-def _layout(stages: int, replicas: int) -> str:
-    return f"{stages} stage(s)" + (f" x {replicas} replicas" if replicas > 1 else "")
+def _layout(stages: int, replicas: int, tp: int = 1) -> str:
+    return (
+        f"{stages} stage(s)"
+        + (f" x tp {tp}" if tp > 1 else "")
+        + (f" x {replicas} replicas" if replicas > 1 else "")
+    )
+
+
+def _stages(config: TrainConfig) -> int:
+    return comms.get_world_size() // (config.dp * config.tp)
 
 
 def _save(config: TrainConfig, task, position: checkpoint.Position, modules, optimizer) -> None:
@@ -378,8 +358,9 @@ def _save(config: TrainConfig, task, position: checkpoint.Position, modules, opt
         **task.run_info(),
         "schedule": config.schedule,
         "chunks": config.chunks_per_rank(),
-        "stages": comms.get_world_size() // config.dp,
+        "stages": _stages(config),
         "replicas": config.dp,
+        "tp": config.tp,
         "settings": resume.settings_of(config),
     }
     path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)

@@ -16,10 +16,13 @@ from torch import nn
 
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.placement import Placement
+from pipeclock.models import gpt, mlp
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.regression import SyntheticRegression
+from pipeclock.models.split import partition
 from pipeclock.models.text import TextCorpus, bigram_bits_per_byte, bits_per_byte
+from pipeclock.parallel.tensor_parallel import read_plan
 
 
 class RegressionTask:
@@ -40,6 +43,14 @@ class RegressionTask:
 
     def batch(self, step: int, size: int):
         return self.data.batch(step, size)
+
+    def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
+        """The tensor-parallel plan for the model cut into ``num_virtual`` stages (``cut``, or by count):
+        ``--tp-plan``'s, or the MLP's own pairs within each stage."""
+        c = self.config
+        if c.tp_plan:
+            return read_plan(c.tp_plan)
+        return mlp.tp_plan(c.hidden, cut or partition(c.layers, num_virtual), tp)
 
     def model_name(self) -> str:
         return f"ShardedMLP {self.config.layers} x {self.config.hidden}"
@@ -74,6 +85,11 @@ class LanguageTask:
 
     def batch(self, step: int, size: int):
         return self.corpus.batch(step, size, self.config.seq_len, seed=self.config.seed)
+
+    def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
+        """``--tp-plan``'s plan, or the GPT's own; either way once ``tp`` is known to split its heads."""
+        own = gpt.tp_plan(self.gpt, tp)
+        return read_plan(self.config.tp_plan) if self.config.tp_plan else own
 
     def model_name(self) -> str:
         g = self.gpt

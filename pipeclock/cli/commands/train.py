@@ -48,7 +48,8 @@ from pipeclock.training.tasks import LanguageTask
 DESCRIPTION = (
     "Train a ShardedMLP or a GPT with pipeline parallelism. Each process is one pipeline stage: "
     "torchrun --nproc-per-node P -m pipeclock train runs P stages, or with --dp N, N replicas of P/N "
-    "stages each (P processes in all). Without torchrun it runs the whole model as one stage in one process."
+    "stages each (P processes in all), and with --tp T each stage shared by T ranks (P / (N x T) stages). "
+    "Without torchrun it runs the whole model as one stage in one process."
 )
 # What can go wrong with a run's input, its peers or its files: one line each, no traceback.
 EXPECTED_ERRORS = (ValueError, OSError, comms.CommError, CheckpointError, CorpusError)
@@ -148,6 +149,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dp", type=positive_int, default=defaults.dp, metavar="N",
         help="data-parallel replicas of the pipeline: the processes form a (dp, pp) mesh, pp = processes / N "
         "(default 1); each replica takes a contiguous shard of --batch-size, which stays the global batch",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp", type=positive_int, default=defaults.tp, metavar="N",
+        help="tensor-parallel ranks per stage (default 1): each of a stage's N ranks holds 1/N of its "
+        "split matrices (torch's parallelize_module, the model's own plan); processes = dp x pp x N",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp-plan", metavar="FILE",
+        help="with --tp: the plan as a JSON file in transformers' base_model_tp_plan format "
+        '({"layers.*.mlp.up_proj": "colwise", ...}), for a model without one or to replace its own',
     )  # fmt: skip
     parser.add_argument(
         "--data-parallel", default=defaults.data_parallel, choices=["fsdp", "ddp"],
@@ -262,7 +273,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
     if world > 1 and stopping.under_torchrun():
         stopping.report_before_stopping(rank, config.timeout)
     boss = rank == 0
-    if boss and world % config.dp == 0:  # else train() refuses the layout, and the headline would be nonsense
+    if boss and world % (config.dp * config.tp) == 0:  # else train() refuses the layout: no headline
         print(_headline(config, world), flush=True)
         if _restarts_share_a_store():
             print(_SHARED_STORE_WARNING, file=sys.stderr, flush=True)
@@ -284,7 +295,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
         print(f"nothing to train: the checkpoint is at step {result.first_step}, --steps is {config.steps}")
         print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
         return 0
-    table = schedule_table(config, world // config.dp)
+    table = schedule_table(config, world // (config.dp * config.tp))
     if result.validation:
         print("\n" + "\n".join(_validation_lines(result.validation, text())))
     link = link_from(args)
@@ -343,10 +354,12 @@ def _headline(config: TrainConfig, world: int) -> str:
     if config.model == "hf":
         model = f"HF {config.hf_config or config.hf_model} (seq {config.seq_len})"
     replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
+    replicas = (f" x tp {config.tp}" if config.tp > 1 else "") + replicas
     per_mb /= config.dp
     fitting = f", {config.dtype}" if config.dtype != "fp32" else ""
     fitting += f", recompute {config.recompute}" if config.recompute != "none" else ""
     return (
-        f"pipeclock train: {config.schedule}, {world // config.dp} stage(s) x {chunks} chunk(s){replicas}, "
+        f"pipeclock train: {config.schedule}, {world // (config.dp * config.tp)} stage(s) x {chunks} chunk(s)"
+        f"{replicas}, "
         f"{config.microbatches} micro-batches of ~{per_mb:g} samples, {model}, {config.steps} steps{fitting}"
     )
