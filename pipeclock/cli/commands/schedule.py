@@ -10,6 +10,7 @@ python -m pipeclock schedule 1f1b -p 2 -m 3 --program               # what each 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pipeclock.engine.generators import (
 from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
 from pipeclock.observe.simulate import DeadlockError, simulate
 from pipeclock.observe.timeline import Timeline
+from pipeclock.parallel.mesh import mesh_layout, pipelines
 
 DEFAULT_CHUNKS = 2
 
@@ -76,6 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print each rank's program: its compute and the messages it sends and receives",
     )  # fmt: skip
     parser.add_argument(
+        "--dp", type=positive_int, default=1, metavar="N",
+        help="with --program: N replicas of the pipeline (train --dp N); every rank's program, each "
+        "message with its peer rank",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, metavar="N",
+        help="with --program: N tensor-parallel ranks per stage (train --tp N), innermost in the mesh",
+    )  # fmt: skip
+    parser.add_argument(
         "--link-latency", dest="latency", metavar="L", type=non_negative_float, default=0.0,
         help="time a message between ranks takes once both sides are posted, in stage forwards (default 0); "
         "with a model's message sizes, plan and train --png also take --link-bandwidth",
@@ -88,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         for option, path in (("--png", args.png), ("--save-csv", args.save_csv)):
             if path:
                 check_output(path, option)
+        if (args.dp > 1 or args.tp > 1) and (args.compare or not args.program):
+            raise UsageError("--dp and --tp lay out the printed program on a mesh: give --program")
         return _compare(args) if args.compare else _show_one(args)
     except BrokenPipeError:
         raise  # a closed output: the command line ends quietly
@@ -113,7 +126,7 @@ def _show_one(args: argparse.Namespace) -> int:
         )
     if args.program:
         print()
-        print(_program_text(schedule))
+        print(_program_text(schedule, args.dp, args.tp))
     if args.save_csv:
         Path(args.save_csv).parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {save_csv(schedule, args.save_csv, args.format)}")
@@ -142,14 +155,41 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
     return args.name, generate(args.name, p, m, _chunks_for(args.name, args.chunks))
 
 
-def _program_text(schedule: Schedule) -> str:
-    """Each rank's program as the engine runs it, then the words it uses."""
+def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1) -> str:
+    """Each rank's program as the engine runs it, then the words it uses. On a (dp, pp, tp) mesh, every
+    rank's: each (replica, tp rank) runs the pipeline's programs over its own ranks."""
     programs = getattr(schedule, "programs", None) or program.lower(
-        join_first_stage_backwards(schedule), ties=True
+        join_first_stage_backwards(schedule), replicas=dp > 1, ties=True
     )
+    if dp > 1 and getattr(schedule, "programs", None):
+        programs = [program.add_reduce_grad(p) for p in programs]
     used = {instruction.kind for rank in programs for instruction in rank}
     words = [f"  {kind:<12}{program.WORDS[kind]}" for kind in program.KINDS if kind in used]
-    return "\n".join(["program (one line per rank, in order):", program.describe(programs), "", *words])
+    if dp == tp == 1:
+        return "\n".join(["program (one line per rank, in order):", program.describe(programs), "", *words])
+    world = len(programs) * dp * tp
+    on_mesh: dict[int, program.Program] = {}
+    for ranks in pipelines(world, dp, tp):
+        on_mesh.update(zip(ranks, program.on_ranks(programs, ranks), strict=True))
+    layout = mesh_layout(world, dp, tp)
+    names = [f"rank {r} (dp {d}, pp {s}, tp {t})" for r, (d, s, t) in enumerate(_coordinates(layout))]
+    lines = [
+        f"program on a mesh of dp {dp} x pp {len(programs)} x tp {tp} = {world} ranks (one line per rank, "
+        "in order; a message names its peer: -> to, <- from):",
+        program.describe([on_mesh[r] for r in range(world)], names=names),
+        "",
+        *words,
+    ]
+    if tp > 1:
+        inside = "each F, B and I runs its stage's tensor-parallel collectives over its tp group"
+        lines.append(f"  {'(inside)':<12}{inside}")
+    return "\n".join(lines)
+
+
+def _coordinates(layout) -> list[tuple[int, int, int]]:
+    """Each global rank's (dp, pp, tp) place in ``layout`` (``mesh_layout``), rank by rank."""
+    found = {int(layout[d, s, t]): (d, s, t) for d, s, t in itertools.product(*map(range, layout.shape))}
+    return [found[r] for r in range(len(found))]
 
 
 def _joined_backwards(schedule: Schedule) -> int:
