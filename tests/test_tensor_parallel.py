@@ -9,6 +9,8 @@ at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -25,6 +27,7 @@ from pipeclock.parallel.mesh import mesh_layout, pipelines
 from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok
 from tests.hf_cases import llama_config, padded_batch, reference
+from tests.jobs import LAUNCH_TIMEOUT, ROOT, Launch, losses_of
 
 TOLERANCE = 1e-5
 GPT_CONFIG = dict(dim=16, layers=2, heads=2, seq_len=8, seed=11)
@@ -209,6 +212,7 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
     three_heads = gpt.GPTConfig(**{**GPT_CONFIG, "dim": 12, "heads": 3})
     llama = llama_config(layers=2)
     llama.num_key_value_heads = 1
+    gpt2 = gpt2_config(layers=2)
     return {
         "absent module": attempt(lambda: {"h0.attn.q": "colwise", "h*.attn.qkv": "colwise"}),
         "unknown style": attempt(lambda: {"h0.attn.q": "packed_colwise"}),
@@ -221,6 +225,9 @@ def refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
         "no hf plan": attempt(lambda: hf.tp_plan(gpt2_config(), world)),
         "key/value heads": attempt(lambda: hf.tp_plan(llama, world)),
         "ddp": _ddp_refusal(mesh, config),
+        "a given plan for an HF model": attempt(
+            lambda: hf.tp_plan(gpt2, world, {"h.*.mlp.c_fc": "colwise"}), [hf.split(gpt2, 0, 1)]
+        ),
     }
 
 
@@ -260,6 +267,7 @@ def test_a_bad_plan_or_layout_is_one_line_on_every_rank_before_anything_is_split
         "with --tp-plan FILE",
         "key/value heads": "--tp 2 does not divide the model's 1 key/value heads",
         "ddp": "DDP cannot hold tensor-parallel parameters",
+        "a given plan for an HF model": "splits transformer.h.0.mlp.c_fc (colwise), a Conv1D: only nn.Linear",
     }
     for rank, (_, found) in enumerate(two_ranks):
         for case, (message, split) in found.items():
@@ -328,3 +336,22 @@ def test_tp_rank_t_of_stage_s_exchanges_with_tp_rank_t_of_the_stages_beside_it_a
     assert text[6] == (
         "rank 6: SIZES AGREE 1RECV_F0<-4 1F0 1B0 1SEND_B0->4 1RECV_F1<-4 1F1 1B1 1SEND_B1->4 LOSS"
     )
+
+
+GPT_RUN = "--model gpt --dim 32 --layers 2 --heads 2 --seq-len 32 --batch-size 6 --microbatches 2"
+GPT_RUN += " --dropout 0.1 --steps 5 --eval-batches 1 --eval-every 0 --clip-grad-norm 0.5"
+
+
+def test_train_tp2_follows_the_one_process_run_step_by_step(tmp_path):
+    """The main job at tp 2, Adam and clipping on split parameters, the tie and dropout: every step's
+    loss is the one-process run's."""
+    flags = ["train", *GPT_RUN.split()]
+    split = Launch(tmp_path / "tp2", 2, [*flags, "--tp", "2", "--losses", str(tmp_path / "tp2.json")])
+    alone = [sys.executable, "-m", "pipeclock", *flags, "--losses", str(tmp_path / "one.json")]
+    one = subprocess.run(alone, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    assert "x tp 2" in split.result().splitlines()[0]
+    _, want = losses_of(tmp_path / "one.json")
+    _, got = losses_of(tmp_path / "tp2.json")
+    assert len(got) == len(want) == 5
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < TOLERANCE, (got, want)
