@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,3 +356,44 @@ def test_train_tp2_follows_the_one_process_run_step_by_step(tmp_path):
     _, got = losses_of(tmp_path / "tp2.json")
     assert len(got) == len(want) == 5
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < TOLERANCE, (got, want)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_pp2_x_tp2_resumes_at_pp4_and_at_tp2_x_pp1_and_exports_whole(tmp_path):
+    """DCP saves each rank's shards of the split parameters with their place in the whole; any layout
+    whose tp splits the model reads its own shards back: the next losses are the uninterrupted run's."""
+    flags = ["train", *GPT_RUN.replace("--steps 5", "").split()]
+    saved, more = [*flags, "--steps", "3"], [*flags, "--steps", "5", "--resume", str(tmp_path / "ck")]
+
+    def losses(name: str) -> str:
+        return str(tmp_path / f"{name}.json")
+
+    first = Launch(tmp_path / "a", 4, [*saved, "--tp", "2", "--checkpoint-dir", str(tmp_path / "ck")])
+    alone = [sys.executable, "-m", "pipeclock", *flags, "--steps", "5", "--losses", losses("one")]
+    one = subprocess.run(alone, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    first.result()
+    runs = {
+        "pp4": Launch(
+            tmp_path / "b", 4, [*more, "--checkpoint-dir", str(tmp_path / "b"), "--losses", losses("pp4")]
+        ),
+        "tp2": Launch(
+            tmp_path / "c",
+            2,
+            [*more, "--tp", "2", "--checkpoint-dir", str(tmp_path / "c"), "--losses", losses("tp2")],
+        ),
+    }
+    _, want = losses_of(tmp_path / "one.json")
+    for name, run in runs.items():
+        assert "saved by 2 stage(s) x tp 2" in run.result(), name
+        first_step, got = losses_of(Path(losses(name)))
+        assert first_step == 3 and len(got) == 2, (name, first_step, got)
+        assert max(abs(g - w) / abs(w) for g, w in zip(got, want[3:], strict=True)) < TOLERANCE, (name, got)
+    export = subprocess.run(
+        [sys.executable, "-m", "pipeclock", "export", str(tmp_path / "ck"), str(tmp_path / "whole.pt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    config = gpt.GPTConfig(dim=32, layers=2, heads=2, seq_len=32, dropout=0.1, seed=0)
+    whole = gpt.gpt_sequential(config)
+    whole.load_state_dict(torch.load(tmp_path / "whole.pt"), strict=True)  # every tensor, whole-sized
