@@ -293,6 +293,41 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(monkeypatch, capsys, args, 
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_tensor_parallel_splits_each_layer_and_charges_its_all_reduces_on_the_link():
+    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER, split_layers
+
+    link = Link(latency=1e-4, bandwidth=1e9)
+    whole = layers(4)[:3]  # three of kind "layer", charged as transformer blocks here
+    split = split_layers(whole, 2, TRANSFORMER, link)
+    all_reduce = 2 * (2 - 1) / 2 * MB_TENSOR / 1e9 + 1e-4  # one all-reduce of a layer's output, 2 ranks
+    for a, b in zip(whole, split, strict=True):
+        assert b.parameters == a.parameters // 2 and b.held == a.held // 2
+        assert b.keeps_input == a.keeps_input and b.message_bytes == a.message_bytes  # whole on each rank
+        assert b.forward == pytest.approx(a.forward / 2 + 2 * all_reduce)  # four per layer: two each way
+        assert b.input_grad == pytest.approx(a.input_grad / 2 + 2 * all_reduce)
+        assert b.weight_grad == pytest.approx(a.weight_grad / 2)
+    pair = split_layers(whole, 2, MLP, link)[0]  # a Linear pair all-reduces once each way
+    assert pair.forward == pytest.approx(whole[0].forward / 2 + all_reduce / 2)
+    sequence = split_layers(whole, 2, TRANSFORMER, link, sequence_parallel=True)[0]
+    assert sequence.message_bytes == MB_TENSOR // 2  # split over the tokens too
+    assert sequence.forward == pytest.approx(
+        whole[0].forward / 2 + 2 * (all_reduce + 1e-4)
+    )  # twice the calls
+    plain, halved = judge(whole, "1f1b", 2, 4, simulated=False), judge(split, "1f1b", 2, 4, simulated=False)
+    assert [r.parameters for r in halved.memory] == [r.parameters // 2 for r in plain.memory]
+
+
+def test_the_command_plans_tensor_parallel_ranks_and_refuses_a_split_of_a_head(monkeypatch, capsys):
+    code, out, err = plan_command(
+        monkeypatch, capsys, "--params", "10e9", "--tp", "2", "--stages", "4", "--microbatches", "8",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "tensor parallel 2: each stage's layers split over 2 ranks" in out
+    assert "answer: 4 stages x tp 2 (8 devices of 24 GB)" in out
+    code, out, err = plan_command(monkeypatch, capsys, "--model", "gpt", "--heads", "4", "--tp", "3")
+    assert code == 2 and "--tp 3 does not divide the model's 4 attention heads" in err
+
+
 # --- against a real run -------------------------------------------------------------------------------
 
 

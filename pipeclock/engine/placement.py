@@ -54,7 +54,7 @@ class Placement:
     def num_ranks(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def num_virtual(self) -> int:
         return sum(len(rank) for rank in self.stages)
 

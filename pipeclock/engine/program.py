@@ -103,6 +103,7 @@ def _lower_rank(
     posted: set[Instruction] = set()
     last_backward = _last_backwards(actions)
     groups = _groups(actions)
+    forward_at = _first_forwards(actions)
 
     def post(group: int, computed: int) -> None:
         """Post the receives ``groups[group]`` needs, with ``computed`` actions done so far."""
@@ -110,7 +111,7 @@ def _lower_rank(
             receive = _receive_for(rank, actions[index], placement)
             if receive is None or receive in posted:
                 continue
-            if receive.kind == "RECV_B" and not _forward_done(actions, index, computed):
+            if receive.kind == "RECV_B" and not _forward_done(forward_at, actions[index], computed):
                 continue  # the gradient's shape is the output's: posted once the forward ran
             posted.add(receive)
             program.append(receive)
@@ -180,9 +181,18 @@ def _groups(actions: list[Action]) -> list[list[int]]:
     return groups
 
 
-def _forward_done(actions: list[Action], index: int, computed: int) -> bool:
-    action = actions[index]
-    return Action("F", action.microbatch, action.chunk) in actions[:computed]
+def _first_forwards(actions: list[Action]) -> dict[tuple[int, int], int]:
+    """Where each (micro-batch, chunk)'s forward first appears in ``actions``."""
+    first: dict[tuple[int, int], int] = {}
+    for index, action in enumerate(actions):
+        if action.op == "F":
+            first.setdefault((action.microbatch, action.chunk), index)
+    return first
+
+
+def _forward_done(forward_at: dict[tuple[int, int], int], action: Action, computed: int) -> bool:
+    """Whether ``action``'s forward is among the first ``computed`` actions."""
+    return forward_at.get((action.microbatch, action.chunk), computed) < computed
 
 
 def _last_backwards(actions: list[Action]) -> dict[int, int]:

@@ -3,12 +3,14 @@
 python -m pipeclock plan --params 10e9 --device-memory 24GB --dtype fp32    # the course's question
 python -m pipeclock plan --model gpt --layers 8 --device-memory 512MB      # measured on this machine
 python -m pipeclock plan --model hf --hf-config config.json --device-memory 8GB   # a Hugging Face model
+python -m pipeclock plan --cluster 512xH100-80GB --hf-config llama.json      # a cluster, on paper
 
 For each schedule x stages x micro-batches x recompute, the plan computes every rank's memory (weights,
 gradients, optimizer state, activations at the schedule's peak, message buffers) and, where it fits,
 the step time the simulator predicts from per-layer costs. ``--model`` measures those costs here, one
 layer at a time; ``--params N`` stands for a model too large to build: a ShardedMLP-shaped stack of
-``--layers`` equal layers, whose step time is counted in forwards of one layer.
+``--layers`` equal layers, whose step time is counted in forwards of one layer. ``--tp N`` splits each
+layer over N ranks of a stage. ``--cluster N×KIND`` plans on paper instead (`pipeclock.cli.plan_cluster`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import argparse
 import itertools
 import math
 import sys
+from typing import NamedTuple
 
+from pipeclock.cli import plan_cluster
 from pipeclock.cli.arguments import (
     add_link_arguments,
     check_output,
@@ -73,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dim", type=positive_int, default=128, help="the GPT's width")
     model.add_argument("--heads", type=positive_int, default=4, help="the GPT's attention heads")
     model.add_argument(
-        "--seq-len", type=positive_int, default=128, help="the GPT's or HF model's tokens per sample"
-    )
+        "--seq-len", type=positive_int,
+        help="the GPT's or HF model's tokens per sample (default 128; --cluster with --hf-config: 4096)",
+    )  # fmt: skip
     model.add_argument("--vocab", type=positive_int, default=256, help="the GPT's vocabulary (256: bytes)")
     model.add_argument(
         "--batch-size",
@@ -86,8 +91,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-memory", default="24GB", metavar="SIZE",
         help="memory of one device: 24GB (powers of 1000), 24GiB (powers of 1024), 512MB ... (default 24GB)",
     )  # fmt: skip
-    run.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="fp32, or bf16 autocast")
+    run.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp8"),
+        help="fp32, or bf16 autocast (default fp32; --cluster: bf16; fp8 Linears: --cluster only)",
+    )  # fmt: skip
     run.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam", help="default adam")
+    run.add_argument(
+        "--tp", type=positive_int, default=1, metavar="N",
+        help="tensor parallel: each stage's layers split over N ranks, their collectives charged on the "
+        "--link-* link (default 1)",
+    )  # fmt: skip
+    run.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="with --tp: the activations between the layers split over the tokens too (all-gathers and "
+        "reduce-scatters in place of all-reduces)",
+    )  # fmt: skip
     run.add_argument(
         "--recompute", default="none,full", metavar="LIST",
         help="activation recompute options to compare: none, full, every-K (default none,full)",
@@ -123,10 +141,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "about 2MiB on CPU over gloo (python -m benchmarks.planner measures it) (default 0B)",
     )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the memory per rank into this PNG file")
+    plan_cluster.add_arguments(parser.add_argument_group("a cluster, on paper"))
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.cluster:
+            return plan_cluster.run(args)
+        plan_cluster.refuse_without_cluster(args)
+        args.dtype, args.seq_len = args.dtype or "fp32", args.seq_len or 128
+        if args.dtype == "fp8":
+            raise UsageError("--dtype fp8 plans a cluster on paper (--cluster); this CPU trains fp32 or bf16")
         return _plan(args)
     except BrokenPipeError:
         raise  # a closed output: the command line ends quietly
@@ -155,19 +180,22 @@ def _plan(args: argparse.Namespace) -> int:
             )
     layers, unit = model.layers, model.time_unit
     stages = _stages(args.stages, len(layers))
-    _check_one_layer_fits(layers, training, device, binary)
+    split = _tensor_split(args)
+    _check_one_layer_fits(layers, training, device, binary, split.tp)
     schedules = _schedules(args.schedules)
     microbatches = _microbatches(args.microbatches, model.batch_size)
 
     print(describe_model(model, training, device, binary))
+    if split.tp > 1:
+        print(_tp_line(split, model.time_unit != "ms"))
     overhead = args.action_overhead / 1e3
     plans = _search(
         model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime,
-        link_from(args),
+        link_from(args), split,
     )  # fmt: skip
     fewest = min((plan.stages for plan in plans if plan.fits(device)), default=None)
     print()
-    print("\n".join(_reasoning(model, training, device, binary, stages, plans, fewest)))
+    print("\n".join(_reasoning(model, training, device, binary, stages, plans, fewest, split.tp)))
     if fewest is None:
         print("\nnothing fits: try more stages, more micro-batches, recompute, or a larger device")
         return 1
@@ -189,16 +217,64 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class TensorSplit(NamedTuple):
+    """``--tp`` and what it needs: the collectives per kind of layer, sequence parallel."""
+
+    tp: int = 1
+    collectives: dict | None = None
+    sequence_parallel: bool = False
+
+
+def _tensor_split(args: argparse.Namespace) -> TensorSplit:
+    """``--tp`` checked against the model's widths (a rank holds whole heads, whole columns)."""
+    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER
+
+    if args.sequence_parallel and args.tp == 1:
+        raise UsageError("--sequence-parallel splits tensor parallel's activations: give --tp N (N > 1)")
+    if args.params is not None or args.model == "mlp":
+        width, what = (args.hidden, "--hidden") if args.params is None else (None, "")
+        if width is not None and width % args.tp:
+            raise UsageError(f"--tp {args.tp} does not divide the MLP's {what} {width}")
+        return TensorSplit(args.tp, MLP, args.sequence_parallel)
+    heads = args.heads
+    if args.model == "hf" and args.hf_config:
+        from pipeclock.models import hf
+
+        heads = getattr(hf.config_of(args.hf_config), "num_attention_heads", heads)
+    if heads % args.tp:
+        raise UsageError(f"--tp {args.tp} does not divide the model's {heads} attention heads")
+    return TensorSplit(args.tp, TRANSFORMER, args.sequence_parallel)
+
+
+def _tp_line(split: TensorSplit, rough: bool) -> str:
+    calls = "all-gathers and reduce-scatters" if split.sequence_parallel else "all-reduces"
+    charged = (
+        "not charged: a rough model's times are layer forwards, not seconds (measure one with --model)"
+        if rough else "charged on the --link-* link, unhidden"
+    )  # fmt: skip
+    return (
+        f"tensor parallel {split.tp}: each stage's layers split over {split.tp} ranks, each holding "
+        f"1/{split.tp} of their matrices; their {calls} {charged}"
+    )
+
+
 def _search(
     model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0,
-    link=None,
+    link=None, split=None,
 ):  # fmt: skip
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
+    from pipeclock.observe.simulate import Link
     from pipeclock.plan.planner import judge
+    from pipeclock.plan.tensor_parallel import split_layers
 
     plans: list[Plan] = []
+    split = split or TensorSplit()
     for p, name, m, recompute in itertools.product(stages, schedules, microbatches, recomputes):
         layers = [layer.scaled(math.ceil(model.batch_size / m)) for layer in model.layers]
+        if split.tp > 1:
+            layers = split_layers(
+                layers, split.tp, split.collectives, link or Link(), split.sequence_parallel
+            )
         config = Training(training.dtype, training.optimizer, recompute)
         try:  # memory first: only a plan that fits is worth simulating
             plan = judge(layers, name, p, m, config, balance, simulated=False, runtime_memory=runtime)
@@ -220,7 +296,7 @@ def _search(
     return plans
 
 
-def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[str]:
+def _reasoning(model, training, device, binary, stages, plans, fewest, tp=1) -> list[str]:
     """The course's question answered step by step: the arithmetic, then what whole layers change."""
     size = lambda count: format_bytes(count, binary)  # noqa: E731
     per = training.bytes_per_parameter
@@ -239,7 +315,7 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
         f"  but a stage holds whole layers: {len(model.layers)} layers, the largest "
         f"{_count(largest)} parameters = {size(per * largest)} to train"
     )
-    bound = math.ceil(total / device)
+    bound = math.ceil(math.ceil(total / device) / tp)  # stages, each on tp devices
     for p in sorted({plan.stages for plan in plans}):
         if p < min(bound, fewest or bound):
             continue  # below the arithmetic's bound: nothing to show
@@ -262,7 +338,10 @@ def _reasoning(model, training, device, binary, stages, plans, fewest) -> list[s
     if fewest is None:
         lines.append(f"  no number of stages up to {max(stages)} fits")
     else:
-        lines.append(f"answer: {_plural(fewest, 'stage')} ({_plural(fewest, 'device')} of {size(device)})")
+        split = f" x tp {tp}" if tp > 1 else ""
+        lines.append(
+            f"answer: {_plural(fewest, 'stage')}{split} ({_plural(fewest * tp, 'device')} of {size(device)})"
+        )
     return lines
 
 
@@ -421,9 +500,9 @@ def _schedules(text: str | None) -> list[str]:
     return names
 
 
-def _check_one_layer_fits(layers, training: Training, device: int, binary: bool) -> None:
+def _check_one_layer_fits(layers, training: Training, device: int, binary: bool, tp: int = 1) -> None:
     largest = max(layers, key=lambda layer: layer.parameters)
-    needed = training.bytes_per_parameter * largest.parameters
+    needed = training.bytes_per_parameter * math.ceil(largest.parameters / tp)
     if needed > device:
         raise UsageError(
             f"one layer alone needs {format_bytes(needed, binary)} to train ({largest.parameters:,} "

@@ -1,0 +1,31 @@
+"""The cluster planner's calibration constants: the few figures that no datasheet gives.
+
+Each is named in docs/cluster.md with the published runs it was fitted on and the ones it was checked
+against (``python -m benchmarks.cluster_check`` refits and rechecks them).
+"""
+
+from __future__ import annotations
+
+# Share of the dense peak that a large matrix product reaches (its operands' trips through memory are
+# charged on top, at the memory's bandwidth): a GPU kind's own figure. Fitted on Megatron-LM's H100 runs;
+# the kinds without published runs take the H100's.
+H100_GEMM_EFFICIENCY = 0.582
+GEMM_EFFICIENCY = H100_GEMM_EFFICIENCY
+# The attention kernel's speed (flash-style, causal: only the unmasked half) as a share of the products'.
+ATTENTION_SHARE = 0.552
+# Elementwise work (norms, activation functions, residuals, rotary), in bytes moved through memory per
+# byte a layer keeps for its backward: eager PyTorch runs each operation alone, fused kernels (or
+# torch.compile) run a few. The backward moves twice the forward's.
+ELEMENTWISE_PASSES = {"eager": 2.24, "fused": 0.689}
+# float8 products' share of the fp8 peak, as a share of what bf16 products reach of theirs (the scaling
+# and casts around each product included).
+FP8_SHARE = 0.749
+# Share of a link's bandwidth that a collective or a message reaches, and the fixed cost of each.
+LINK_EFFICIENCY = 0.80
+COLLECTIVE_LATENCY = 20e-6  # seconds
+# Share of tensor parallel's collectives hidden behind the products when the run overlaps them.
+TP_OVERLAP_HIDDEN = 0.7
+# Memory the allocator reserves beyond what is allocated, as a share of it, and what every GPU holds
+# whatever the model (CUDA context, the collectives' buffers, library workspaces).
+ALLOCATOR_SLACK = 0.094
+RUNTIME_BYTES = 2 * 2**30

@@ -1,0 +1,79 @@
+"""What a cluster plan chooses (`Config`) and what it takes as given (`Software`, `Job`).
+
+Ranks are laid out dp x pp x tp with tp innermost, as ``train --tp`` lays them out: the tp ranks of a
+stage are consecutive (one node), the stages of one pipeline tp ranks apart, the replicas tp x pp apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RECOMPUTES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+DTYPES = ("fp32", "bf16", "fp8")
+ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}
+
+
+@dataclass(frozen=True)
+class Software:
+    """How the run computes, the same for every configuration of a search.
+
+    ``dtype``: fp32, bf16 (autocast over fp32 master weights), or fp8 (the Linear layers' products in
+    float8, the rest bf16). ``fused``: the elementwise operations fused into few kernels (torch.compile,
+    or a framework's fused kernels), else run one by one as eager PyTorch runs them. ``tp_overlap``: tensor
+    parallel's collectives overlapped with the matrix products (torchtitan's AsyncTP, Megatron-LM's
+    ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them."""
+
+    dtype: str = "bf16"
+    fused: bool = False
+    tp_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use {', '.join(DTYPES)}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element: fp32's 4, else bf16's 2 (fp8 keeps bf16 activations)."""
+        return 4 if self.dtype == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Job:
+    """The training job: ``global_batch`` sequences of ``seq_len`` tokens per step."""
+
+    global_batch: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to run the job: the three degrees, the schedule and its chunks per rank, the micro-batch
+    size (sequences) and count per replica, activation recompute, the data-parallel sharding (ZeRO
+    stage: 0 replicates everything, 1 shards the optimizer state, 2 the gradients too, 3 the weights
+    too) and sequence parallel (tensor parallel's norms and residuals split over the tokens)."""
+
+    tp: int
+    pp: int
+    dp: int
+    schedule: str
+    chunks: int
+    microbatch_size: int
+    microbatches: int
+    recompute: str
+    zero: int
+    sequence_parallel: bool
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        schedule = self.schedule if self.chunks == 1 or self.schedule in ("zb-v", "dualpipev") else (
+            f"{self.schedule} v={self.chunks}"
+        )  # fmt: skip
+        sp = "+sp" if self.sequence_parallel else ""
+        return (
+            f"tp {self.tp}{sp} x pp {self.pp} x dp {self.dp}, {schedule}, mbs {self.microbatch_size} x "
+            f"m {self.microbatches}, recompute {self.recompute}, {ZERO_WORDS[self.zero]}"
+        )

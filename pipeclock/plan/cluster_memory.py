@@ -1,0 +1,181 @@
+"""Memory per GPU of a cluster configuration, on paper: the fullest GPU's bytes, part by part.
+
+- weights: fp32 masters, plus (bf16, fp8) the compute copy the forwards use; ZeRO-3 keeps 1/dp of the
+  masters and gathers the compute copy of the layers it runs (two at a time: this one and the next; a
+  pipeline stage keeps its whole stage gathered through the step, as torchtitan does under PP);
+- gradients (fp32) and Adam's two moments (fp32), each 1/dp where the ZeRO stage shards them;
+- activations: the micro-batches each rank holds at once under its schedule (read off the schedule's
+  own order of actions: from a micro-batch's F until its last backward), times what a micro-batch keeps
+  on the rank's stages (`pipeclock.plan.activations`); the head's on the rank holding the last stage;
+- working memory: the larger of the head's backward (the logits' gradient) and, under full recompute,
+  one layer's forward rebuilt; plus the receive buffers of the next activation and gradient;
+- an allowance for what the allocator reserves beyond what is allocated (``ALLOCATOR_SLACK``) and for
+  the CUDA context, the collectives' buffers and the library workspaces (``RUNTIME_BYTES``).
+
+Tensor parallel divides each stage's matrices by tp (norm weights are replicated) and the embedding and
+head by tp (vocabulary-parallel); a tied matrix is held once where one rank holds both ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pipeclock.engine.actions import placement_of
+from pipeclock.engine.generators import generate
+from pipeclock.models.split import partition
+from pipeclock.plan import activations, calibration
+from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.paper_model import PaperModel
+
+MASTER_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """The fullest GPU's memory, by part, in bytes; ``total`` adds the allowance."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    working: float
+
+    @property
+    def allocated(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.working
+
+    @property
+    def total(self) -> float:
+        return self.allocated * (1.0 + calibration.ALLOCATOR_SLACK) + calibration.RUNTIME_BYTES
+
+    @property
+    def parts(self) -> dict[str, float]:
+        return {
+            "weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+            "activations": self.activations, "working": self.working,
+            "allowance": self.total - self.allocated,
+        }  # fmt: skip
+
+
+def stage_layers(model: PaperModel, config: Config) -> list[range]:
+    """The layers of each virtual stage: the blocks cut evenly (`partition`); the embedding rides with
+    the first stage and the head with the last."""
+    return _cut(model.layers, config.pp * config.chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut(layers: int, stages: int) -> list[range]:
+    return partition(layers, stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def placement_for(schedule: str, pp: int, chunks: int):
+    """Which virtual stages each rank holds (the same for every micro-batch count)."""
+    return placement_of(generate(schedule, pp, 1, chunks))
+
+
+@functools.lru_cache(maxsize=4096)
+def held_microbatches(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    """Per rank: the most (micro-batch, stage) pairs it holds at once, and the most of them on the last
+    virtual stage (whose head keeps the logits); from the schedule's own order of actions."""
+    table = generate(schedule, pp, microbatches, chunks)
+    placement = placement_of(table)
+    last = placement.num_virtual - 1
+    result = []
+    for rank, actions in enumerate(table):
+        live, live_last, most, most_last = 0, 0, 0, 0
+        backward_done = {(a.microbatch, a.chunk): i for i, a in enumerate(actions) if a.op in ("B", "W")}
+        for index, action in enumerate(actions):
+            on_last = placement.stage(rank, action.chunk) == last
+            if action.op == "F":
+                live, live_last = live + 1, live_last + on_last
+                most, most_last = max(most, live), max(most_last, live_last)
+            elif backward_done.get((action.microbatch, action.chunk)) == index:
+                live, live_last = live - 1, live_last - on_last
+        result.append((most, most_last))
+    return tuple(result)
+
+
+def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) -> GpuMemory:
+    """The memory of the fullest GPU under ``config`` (the module's list, part by part)."""
+    cuts = stage_layers(model, config)
+    table_shape = (config.schedule, config.pp, config.microbatches, config.chunks)
+    held = held_microbatches(*table_shape)
+    placement = placement_for(config.schedule, config.pp, config.chunks)
+    last = placement.owner(placement.num_virtual - 1)[0]
+    layers = [sum(len(cuts[s]) for s in stages) for stages in placement.stages]
+    # the fullest is one of these: the first, the last stage's, the one holding most, the largest
+    candidates = {0, last, max(range(config.pp), key=lambda r: held[r][0]), layers.index(max(layers))}
+    return max(
+        (
+            _rank_memory(model, config, job, software, cuts, rank, held[rank], placement)
+            for rank in candidates
+        ),
+        key=lambda memory: memory.allocated,
+    )
+
+
+def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> GpuMemory:
+    stages = placement.stages[rank]
+    last_stage = config.pp * config.chunks - 1
+    first, last = 0 in stages, last_stage in stages
+    layers = sum(len(cuts[s]) for s in stages)
+    parameters = layers * _layer_parameters_per_gpu(model, config.tp)
+    parameters += (model.embedding_parameters() / config.tp) if first else 0
+    if last and not (first and model.tied):
+        parameters += model.head_parameters() / config.tp
+    weights, gradients, optimizer = _states(model, config, software, parameters, layers)
+    tokens = config.microbatch_size * job.seq_len
+    a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
+    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
+    most_layers = max(len(cuts[s]) for s in stages)
+    held_all, held_last = held
+    kept = held_all * most_layers * per_layer * tokens
+    if last:
+        kept += held_last * activations.head_bytes(model, a, fused, tp, sp) * tokens
+    rebuild = activations.layer_bytes(model, "none", a, fused, tp, sp) if config.recompute != "none" else 0
+    head = activations.head_backward_bytes(model, a, tp) if last else 0.0
+    messages = 2.0 * model.hidden * a / (tp if sp else 1)
+    working = (max(rebuild, head) + messages) * tokens
+    return GpuMemory(weights, gradients, optimizer, kept, working)
+
+
+def _layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:
+    """A block's parameters on one tp rank: its matrices split tp ways, its norms whole."""
+    norms = 2 * model.norm_parameters()
+    return (model.layer_parameters() - norms) / tp + norms
+
+
+def _states(model, config, software, parameters: float, layers: int) -> tuple[float, float, float]:
+    """Weights, gradients and optimizer state of ``parameters`` (``layers`` blocks) on one GPU.
+
+    The weights are what the products read (a bf16 copy; fp32: the weights themselves); the optimizer
+    state is Adam's two moments plus, in mixed precision, the fp32 master weights, so that ZeRO-1
+    shards the masters with the moments, as Megatron-LM's distributed optimizer and FSDP do. Under a
+    pipeline, ZeRO-3 keeps the rank's weights gathered and its gradients whole through the step's
+    micro-batches (torch's pipelining turns resharding and gradient sync off until the last one)."""
+    dp, zero = config.dp, config.zero
+    mixed = software.dtype != "fp32"
+    compute = 2 if mixed else MASTER_BYTES
+    state = ADAM_BYTES + (MASTER_BYTES if mixed else 0)
+    if zero == 3 and config.pp == 1:  # the layer being run and the next one are gathered
+        weights = min(2, layers) * _layer_parameters_per_gpu(model, config.tp) * compute
+        weights += parameters * compute / dp if not mixed else 0.0  # fp32: the shard is the weights
+    else:
+        weights = parameters * compute
+    sharded_gradients = zero == 2 or (zero == 3 and config.pp == 1)
+    gradients = parameters * GRADIENT_BYTES / (dp if sharded_gradients else 1)
+    optimizer = parameters * state / (dp if zero >= 1 else 1)
+    return weights, gradients, optimizer
+
+
+def fits(memory: GpuMemory, capacity: int) -> bool:
+    return memory.total <= capacity
+
+
+def static_floor(model: PaperModel, config: Config, software: Software) -> float:
+    """A lower bound of the fullest rank's memory: the whole model's states spread evenly over the
+    pipeline and tensor ranks, sharded as far as the ZeRO stage goes (a cheap first test)."""
+    parameters = model.parameters() / (config.pp * config.tp)
+    return sum(_states(model, config, software, parameters, 0))

@@ -1,0 +1,367 @@
+"""Step time of a cluster configuration, on paper: each action's cost, then the program simulator.
+
+One micro-batch through one layer on one GPU costs, forward:
+
+- the matrix products: FLOPs at ``GEMM_EFFICIENCY`` of the dense peak, plus their operands' trip through
+  memory at the memory's bandwidth (what makes small products less efficient than large ones);
+- attention: its FLOPs (the causal half) at ``ATTENTION_EFFICIENCY`` of the peak;
+- the elementwise operations: ``ELEMENTWISE_PASSES`` times the bytes the layer keeps, through memory;
+- tensor parallel: two collectives of the layer's activations (all-reduces, or with sequence parallel an
+  all-gather and a reduce-scatter each) on the node's link; hidden in part when the run overlaps them.
+
+The backward costs twice the products and the elementwise work, 2.5 times attention (its kernel computes
+five products for the forward's two), the same collectives again, and whatever recompute runs again;
+split into I and W, W is the weight-gradient products alone. A stage's action is its layers' sum, the
+embedding on the first stage and the head and loss on the last. The pipeline's step is then what
+``pipeclock.observe.simulate`` makes of the schedule's program with these costs and the stage-to-stage
+messages on their link (the same simulator as the measured planner's, cached by the costs' ratios). The
+data-parallel collectives overlap the backward of the last micro-batch (gradients) and the forward of the
+first (a ZeRO gather); what they exceed it by is added, and so is the optimizer's pass over its states.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pipeclock.engine.actions import join_first_stage_backwards, placement_of
+from pipeclock.engine.generators import V_SCHEDULES, generate
+from pipeclock.observe.simulate import simulate
+from pipeclock.plan import activations, calibration
+from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_memory import placement_for, stage_layers
+from pipeclock.plan.gpus import GpuKind
+from pipeclock.plan.paper_model import PaperModel
+
+OPTIMIZER_BYTES = 30  # per fp32 parameter of an Adam step: read weight, grad, moments; write them, copy
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer, one micro-batch, on one GPU, in seconds."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    recompute: float  # run again before the backward
+    tp: float  # of the forward and of the backward each: tensor parallel's exposed collectives
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's seconds, and where they went on the busiest rank."""
+
+    step: float
+    pipeline: float  # the simulated program: compute, messages, the bubble
+    bubble: float  # share of the pipeline's rank-time spent idle
+    compute: float  # the busiest rank's actions, recompute and tp collectives included
+    recompute: float
+    tp: float
+    dp: float  # data-parallel collectives not hidden
+    optimizer: float
+
+
+class Rates:
+    """A GPU kind's effective speeds for a run's dtype."""
+
+    def __init__(self, gpu: GpuKind, software: Software):
+        fp8 = software.dtype == "fp8"
+        plain = gpu.peak("fp32" if software.dtype == "fp32" else "bf16") * gpu.gemm_efficiency
+        self.gemm = gpu.peak("fp8") * gpu.gemm_efficiency * calibration.FP8_SHARE if fp8 else plain
+        self.attention = plain * calibration.ATTENTION_SHARE
+        self.memory = gpu.memory_bandwidth
+        self.a = software.activation_bytes
+        self.gpu = gpu
+        self.per_layer: dict[tuple, tuple] = {}  # a search asks for the same layer's costs often
+
+
+def layer_time(model: PaperModel, config: Config, job: Job, software: Software, rates: Rates) -> LayerTime:
+    """One layer's costs for one micro-batch (the module's rules)."""
+    tokens = config.microbatch_size * job.seq_len
+    tp, a = config.tp, rates.a
+    each = [(g, _gemm_seconds(g, tokens, model, tp, a, rates)) for g in model.gemms()]
+    products = sum(seconds for _, seconds in each)
+    attention = model.attention_flops(job.seq_len) * tokens / tp / rates.attention
+    kept = activations.layer_bytes(model, "none", a, software.fused, tp, config.sequence_parallel)
+    passes = calibration.ELEMENTWISE_PASSES["fused" if software.fused else "eager"]
+    elementwise = passes * kept * tokens / rates.memory
+    collectives = _tp_collective(model, config, tokens, software, rates)
+    collectives *= 0.5 if model.kind == "mlp" else 2.0
+    forward = products + attention + elementwise + collectives
+    again = {
+        "none": 0.0,
+        "selective": elementwise + sum(seconds for g, seconds in each if not g.kept),
+        "full": forward,
+    }[config.recompute]
+    return LayerTime(
+        forward=forward,
+        input_grad=products + 2.5 * attention + 2 * elementwise + collectives + again,
+        weight_grad=products,
+        recompute=again,
+        tp=collectives,
+    )
+
+
+def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: Rates) -> float:
+    k, n = gemm.k, gemm.n
+    if gemm.split == "k":
+        k = k / tp
+    elif gemm.split == "n":
+        n = activations.output_width(model, gemm, tp, sp=False)
+    flops = 2.0 * tokens * k * n * gemm.count
+    moved = (tokens * (k + n) * gemm.count + k * n * min(gemm.count, model.experts or 1)) * a
+    return flops / rates.gemm + moved / rates.memory
+
+
+def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Software, rates: Rates) -> float:
+    """One all-reduce of a micro-batch's activations among the tp ranks (or an all-gather plus a
+    reduce-scatter, the same bytes), as exposed: the part the run does not overlap."""
+    if config.tp == 1:
+        return 0.0
+    volume = tokens * model.hidden * rates.a
+    share = 2.0 * (config.tp - 1) / config.tp
+    link = rates.gpu.intra_node_bandwidth * calibration.LINK_EFFICIENCY
+    calls = 2 if config.sequence_parallel else 1
+    seconds = share * volume / link + calls * calibration.COLLECTIVE_LATENCY
+    return seconds * ((1 - calibration.TP_OVERLAP_HIDDEN) if software.tp_overlap else 1.0)
+
+
+def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
+    """Each virtual stage's F, B, I, W for one micro-batch: its layers, plus the embedding (first) and
+    the head with the loss (last)."""
+    key = (
+        model,
+        config.tp,
+        config.sequence_parallel,
+        config.recompute,
+        config.microbatch_size,
+        job,
+        software,
+    )
+    if key not in rates.per_layer:
+        tokens = config.microbatch_size * job.seq_len
+        ends = _ends(model, config, tokens, software, rates)
+        rates.per_layer[key] = layer_time(model, config, job, software, rates), ends
+    layer, ends = rates.per_layer[key]
+    cuts = stage_layers(model, config)
+    costs = []
+    for index, cut in enumerate(cuts):
+        n = len(cut)
+        cost = {"F": n * layer.forward, "I": n * layer.input_grad, "W": n * layer.weight_grad}
+        for end, applies in (("first", index == 0), ("last", index == len(cuts) - 1)):
+            if applies:
+                for op in ("F", "I", "W"):
+                    cost[op] += ends[end][op]
+        cost["B"] = cost["I"] + cost["W"]
+        costs.append(cost)
+    return costs
+
+
+def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]:
+    """The embedding's and the head's (with the loss) costs for one micro-batch."""
+    if model.kind == "mlp":
+        nothing = {"F": 0.0, "I": 0.0, "W": 0.0}
+        return {"first": nothing, "last": nothing}
+    tp, a, h, vocab = config.tp, rates.a, model.hidden, model.vocab
+    collective = _tp_collective(model, config, tokens, software, rates)
+    lookup = 2 * tokens * h * a / rates.memory
+    first = {"F": lookup + collective, "I": 0.0, "W": vocab * h / tp * 4 / rates.memory + lookup}
+    moved = (tokens * (h + vocab / tp) + h * vocab / tp) * a
+    product = 2.0 * tokens * h * vocab / tp / rates.gemm + moved / rates.memory
+    loss = tokens * vocab / tp * (a + 12) / rates.memory
+    last = {"F": product + loss + collective, "I": product + 2 * loss + collective, "W": product}
+    return {"first": first, "last": last}
+
+
+def message_seconds(model, config, job, rates) -> float:
+    """What one stage-to-stage message costs: an activation (or its gradient) of one micro-batch, split
+    over the tp ranks under sequence parallel, on the node's link or, past a node, the network."""
+    tokens = config.microbatch_size * job.seq_len
+    message = tokens * model.hidden * rates.a / (config.tp if config.sequence_parallel else 1)
+    crosses_nodes = config.tp * config.pp > rates.gpu.gpus_per_node
+    link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
+    return calibration.COLLECTIVE_LATENCY + message / (link * calibration.LINK_EFFICIENCY)
+
+
+def pipeline_seconds(model, config, job, software, rates, costs) -> tuple[Simulated, float]:
+    """The simulated program for these stage costs, and the unit of its times in seconds."""
+    unit = max(cost["F"] for cost in costs) or 1.0
+    key = tuple(tuple(_round(cost[op] / unit) for op in ("F", "B", "I", "W")) for cost in costs)
+    transfer = _round(message_seconds(model, config, job, rates) / unit)
+    return simulated(config.schedule, config.pp, config.microbatches, config.chunks, key, transfer), unit
+
+
+def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
+    """A time no program of this schedule can beat, without simulating it: the larger of
+
+    - for each rank, its work after the forwards that must reach its first stage before it can start,
+      and (a schedule that runs whole backwards, ending each rank on its first stage's last backward)
+      before the gradient from there has gone back to the first stage;
+    - the last stage's m forwards and backwards, after the first micro-batch's forward has reached it
+      and before the last one's gradient has gone back to the first stage (each hop across ranks costing
+      at least one message).
+    """
+    placement = placement_for(config.schedule, config.pp, config.chunks)
+    m, last = config.microbatches, len(costs) - 1
+    split = splits_backward(config.schedule)
+    gradient = "I" if split else "B"
+    before, after = [0.0], [0.0]
+    for cost in costs:
+        before.append(before[-1] + cost["F"])
+        after.append(after[-1] + cost["B"])
+    busiest = max(
+        before[min(stages)]
+        + m * sum(costs[s]["F"] + costs[s]["B"] for s in stages)
+        + (0.0 if split else after[min(stages)])
+        for stages in placement.stages
+    )
+    chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
+    chain += m * (costs[last]["F"] + costs[last][gradient]) + 2 * (config.pp - 1) * transfer
+    return max(busiest, chain)
+
+
+@functools.lru_cache(maxsize=64)
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule splits each backward into I and W (the zero-bubble family)."""
+    return any(
+        action.op == "I" for actions in generate(schedule, 2, 2, chunks_for(schedule)) for action in actions
+    )
+
+
+def chunks_for(schedule: str) -> int:
+    return 2 if schedule in V_SCHEDULES or schedule == "interleaved-1f1b" else 1
+
+
+def _round(value: float) -> float:
+    """Three significant digits: costs that differ less share one simulation."""
+    return float(f"{value:.3g}")
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """What a search needs from a simulated step, in the costs' unit: its makespan and bubble, and for
+    each rank its stages' moments: (stage, its first F's start, its last backward's start and end)."""
+
+    makespan: float
+    bubble: float
+    moments: tuple[tuple[tuple[int, float, float, float], ...], ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
+    """The schedule's program simulated with per-stage ``costs`` (F, B, I, W) and each message costing
+    ``transfer``, in the costs' unit; cached: a search asks for the same ones often."""
+    table = generate(schedule, pp, microbatches, chunks)
+    placement = placement_of(table)
+    ops = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+    def cost(rank: int, action) -> float:
+        return costs[placement.stage(rank, action.chunk)][ops[action.op]]
+
+    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer)
+    moments = []
+    for rank in range(pp):
+        first, last = {}, {}
+        for span in timeline.spans_of(rank):
+            stage = placement.stage(rank, span.action.chunk)
+            if span.action.op == "F":
+                first.setdefault(stage, span.start)
+            elif span.action.op in ("B", "W"):
+                last[stage] = (span.start, span.end)
+        moments.append(tuple((s, first[s], *last[s]) for s in sorted(first)))
+    return Simulated(timeline.makespan, timeline.bubble_share, tuple(moments))
+
+
+def step_time(model, config: Config, job: Job, software: Software, gpu: GpuKind) -> StepTime:
+    """The step's seconds (the module's rules), with where they went on the busiest rank."""
+    rates = Rates(gpu, software)
+    costs = stage_costs(model, config, job, software, rates)
+    run, unit = pipeline_seconds(model, config, job, software, rates, costs)
+    pipeline = run.makespan * unit
+    layer = layer_time(model, config, job, software, rates)
+    per_microbatch = model.layers / config.pp * config.microbatches
+    dp = data_parallel_seconds(model, config, software, rates, costs, run, unit)
+    optimizer = optimizer_seconds(model, config, rates)
+    return StepTime(
+        step=pipeline + dp + optimizer,
+        pipeline=pipeline,
+        bubble=run.bubble,
+        compute=busiest_compute(config, costs),
+        recompute=per_microbatch * layer.recompute,
+        tp=per_microbatch * layer.tp * (3 if config.recompute == "full" else 2),
+        dp=dp,
+        optimizer=optimizer,
+    )
+
+
+def busiest_compute(config: Config, costs: list[dict[str, float]]) -> float:
+    """The most compute any rank does in a step."""
+    placement = placement_for(config.schedule, config.pp, config.chunks)
+    return config.microbatches * max(
+        sum(costs[s]["F"] + costs[s]["B"] for s in stages) for stages in placement.stages
+    )
+
+
+def optimizer_seconds(model: PaperModel, config: Config, rates: Rates) -> float:
+    """Adam's pass over the states a GPU updates (its shard of them under ZeRO)."""
+    parameters = model.parameters() / (config.pp * config.tp)
+    return parameters * OPTIMIZER_BYTES / (config.dp if config.zero >= 1 else 1) / rates.memory
+
+
+def data_parallel_seconds(model, config, software, rates, costs, run: Simulated | None, unit: float) -> float:
+    """What the data-parallel collectives add to the step, on the rank they delay most.
+
+    Each stage's gradients leave for the replicas as its last backward runs (layer by layer, so the last
+    layer's share waits for its end), one stage after another on the link; the step ends when the last
+    arrive. Under ZeRO 1-3 the updated weights come back by all-gather, each stage's before its first
+    forward finishes, stage after stage from the step's start. ZeRO-3 on one stage gathers every
+    layer's weights for each forward and backward, ahead of the layer that needs them, and reduces each
+    micro-batch's gradients, as ZeRO-2 does (its gradients are never whole). Without ``run``
+    (a floor for the search), only that last case counts: the others may all be hidden.
+    """
+    per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
+    if config.dp == 1 or (run is None and not per_microbatch):
+        return 0.0
+    link = rates.gpu.intra_node_bandwidth if config.gpus <= rates.gpu.gpus_per_node else (
+        rates.gpu.inter_node_bandwidth
+    )  # fmt: skip
+    link *= calibration.LINK_EFFICIENCY
+    share = (config.dp - 1) / config.dp
+    sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
+    weight_bytes = 2 if software.dtype != "fp32" else 4
+    cuts = stage_layers(model, config)
+    stage_parameters = [_stage_parameters(model, config, s, cuts) for s in range(len(cuts))]
+    gradients = [sync * n * 4 / link + calibration.COLLECTIVE_LATENCY for n in stage_parameters]
+    weights = [share * n * weight_bytes / link if config.zero >= 1 else 0.0 for n in stage_parameters]
+    if config.zero == 3 and config.pp == 1:
+        cost = costs[0]
+        per_microbatch = max(0.0, weights[0] - cost["F"]) + max(0.0, weights[0] + gradients[0] - cost["B"])
+        return config.microbatches * per_microbatch
+    if config.zero == 2 and config.microbatches > 1:  # each micro-batch's gradients leave as they come
+        return config.microbatches * max(max(0.0, g - c["B"]) for g, c in zip(gradients, costs, strict=True))
+    layers = [max(1, len(cut)) for cut in cuts]
+    end, delay = run.makespan * unit, 0.0
+    for moments in run.moments:
+        free = 0.0
+        for stage, _, start, finish in sorted(moments, key=lambda m: m[2]):
+            free = max(free, start * unit) + gradients[stage]
+            free = max(free, finish * unit + gradients[stage] / layers[stage])
+        end = max(end, free)
+        gathered = 0.0
+        for stage, first, _, _ in sorted(moments, key=lambda m: m[1]):
+            gathered += weights[stage]
+            needed = first * unit + costs[stage]["F"] * (1 - 1 / layers[stage])
+            delay = max(delay, gathered - needed)
+    return end - run.makespan * unit + delay
+
+
+def _stage_parameters(model: PaperModel, config: Config, stage: int, cuts) -> float:
+    """The parameters of one virtual stage on one tp rank (its layers, and the ends it carries)."""
+    norms = 2 * model.norm_parameters()
+    layer = (model.layer_parameters() - norms) / config.tp + norms
+    total = len(cuts[stage]) * layer
+    if stage == 0:
+        total += model.embedding_parameters() / config.tp
+    if stage == len(cuts) - 1:
+        total += model.head_parameters() / config.tp
+    return total

@@ -1,0 +1,106 @@
+"""A Hugging Face causal LM on paper: a `PaperModel` read from its config alone.
+
+Only ``transformers``' config classes are used, never a model: a 405B config plans on a laptop. The
+sizes come from the config's own fields (``hidden_size``, ``num_key_value_heads``, ``head_dim``,
+``intermediate_size``, the experts' fields of a mixture); what a config does not say (a plain GELU MLP
+and LayerNorms instead of SwiGLU and RMSNorm, biases, learned positions) is read from its family, for
+the families below; any other family is taken to be Llama-shaped, as most causal LMs today are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeclock.plan.paper_model import PaperModel
+
+# Families whose MLP is two matrices with a GELU/ReLU, whose norms are LayerNorms and whose Linears
+# have biases (their modeling code says so; their configs do not).
+PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2"}
+LEARNED_POSITIONS = {"gpt2", "gpt_bigcode"}
+QKV_BIAS_FAMILIES = {"qwen2", "qwen2_moe"}
+
+
+class NotCausalLM(ValueError):
+    """A config that does not describe a causal language model."""
+
+
+def read_config(path: str | Path):
+    """The ``transformers`` config at ``path`` (a config.json, or a directory holding one)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--hf-config {path}: no such file or directory")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"--hf-config {path} is not a Hugging Face config: {first}") from None
+
+
+def paper_model(config, name: str | None = None) -> PaperModel:
+    """The `PaperModel` of a causal LM's config; `NotCausalLM` for any other config."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = getattr(config, "model_type", "")
+    kind = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False) or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise NotCausalLM(
+            f"{kind} (model_type {family!r}) is not a causal language model: plan --hf-config takes a "
+            "decoder-only *ForCausalLM config"
+        )
+    hidden = _field(config, kind, "hidden_size")
+    heads = _field(config, kind, "num_attention_heads")
+    kv_heads = getattr(config, "num_key_value_heads", None) or (
+        1 if getattr(config, "multi_query", False) else heads
+    )
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    plain = family in PLAIN_MLP_FAMILIES
+    experts = _experts(config)
+    ffn = (getattr(config, "moe_intermediate_size", None) if experts else None) or _ffn(config, hidden)
+    return PaperModel(
+        name=name or (getattr(config, "architectures", None) or [kind])[0],
+        layers=_field(config, kind, "num_hidden_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        vocab=_field(config, kind, "vocab_size"),
+        gated=not plain,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        norm="layer" if plain else "rms",
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or family in QKV_BIAS_FAMILIES,
+        linear_bias=plain,
+        positions=getattr(config, "max_position_embeddings", 0) if family in LEARNED_POSITIONS else 0,
+        experts=experts,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        shared_ffn=(getattr(config, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+    )
+
+
+def max_positions(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _field(config, kind: str, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value < 1:
+        raise NotCausalLM(f"{kind} has no {name}: plan --hf-config needs a transformer's sizes")
+    return value
+
+
+def _ffn(config, hidden: int) -> int:
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4 * hidden
+
+
+def _experts(config) -> int:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return 0

@@ -1,0 +1,240 @@
+"""The search: every way to run the job on the cluster, the ones that fit, ranked by tokens/s.
+
+The knobs: tp (a divisor of the node's GPU count, and of the heads), pp (at most the layer count), dp
+(the rest; it must divide the global batch), the micro-batch size (a divisor of each replica's share),
+the schedule (pipeclock's seven; one stage needs none) with its chunks per rank (interleaving: 2, 3, 4,
+6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
+
+A configuration whose states alone (weights, gradients, optimizer state, sharded as far as it goes)
+exceed the GPU is dropped at once. The others are ordered by a floor on their step time, computed
+without simulating (`pipeclock.plan.cluster_time.pipeline_floor`, plus what data parallel and the
+optimizer add for sure), and judged best-first: the fullest GPU's memory, and where it fits, the step
+from the program simulator. The search stops once no floor left can beat the ``top``-th best step
+found; the simulations themselves are cached by their costs' ratios.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
+from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
+from pipeclock.plan.cluster_memory import gpu_memory, static_floor
+from pipeclock.plan.cluster_plan import Prediction, rate
+from pipeclock.plan.cluster_time import (
+    Rates,
+    data_parallel_seconds,
+    message_seconds,
+    optimizer_seconds,
+    pipeline_floor,
+    stage_costs,
+    step_time,
+)
+from pipeclock.plan.gpus import Cluster
+from pipeclock.plan.paper_model import PaperModel
+
+INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
+ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
+FIXABLE = ("tp", "pp", "dp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp")
+
+
+class SearchError(ValueError):
+    """A job or a --fix that no configuration can satisfy."""
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction]  # the fastest that fit, best first
+    considered: int = 0  # every configuration the knobs allow
+    judged: int = 0  # of them, whose memory was judged (best floor first, until none left could win)
+    fitting: int = 0  # of those, that fit
+    simulated: int = 0
+    smallest: Prediction | None = None  # when nothing fits: the configuration that comes closest
+    notes: list[str] = field(default_factory=list)
+
+
+def search(
+    model: PaperModel,
+    cluster: Cluster,
+    job: Job,
+    software: Software,
+    fixed: dict | None = None,
+    top: int = 5,
+) -> SearchResult:
+    """The ``top`` fastest configurations that fit (see the module's order of work)."""
+    fixed = fixed or {}
+    result = SearchResult([])
+    rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
+    floors = []
+    leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
+    for config in configurations(model, cluster, job, fixed):
+        result.considered += 1
+        static = static_floor(model, config, software)
+        if leanest is None or static < leanest[0]:
+            leanest = (static, config)
+        if static > capacity:
+            continue
+        floors.append((_floor(model, config, job, software, rates), len(floors), config))
+    floors.sort(key=lambda entry: entry[:2])
+    ranked: list[tuple[float, Prediction]] = []
+    for floor, _, config in floors:
+        if len(ranked) >= top and floor >= ranked[top - 1][0]:
+            break
+        memory = gpu_memory(model, config, job, software)
+        result.judged += 1
+        if memory.total > capacity:
+            if result.smallest is None or memory.total < result.smallest.memory.total:
+                result.smallest = _judged(model, config, job, software, cluster, memory)
+            continue
+        result.fitting += 1
+        prediction = _judged(model, config, job, software, cluster, memory)
+        result.simulated += 1
+        twin = next((i for i, (_, p) in enumerate(ranked) if _twins(p, prediction)), None)
+        if twin is not None:  # the same run but for the sharding: keep the leaner
+            if prediction.memory.total < ranked[twin][1].memory.total:
+                ranked[twin] = (prediction.time.step, prediction)
+            continue
+        ranked.append((prediction.time.step, prediction))
+        ranked.sort(key=lambda entry: entry[0])
+        del ranked[top:]
+    result.ranked = [prediction for _, prediction in ranked]
+    if not ranked and result.smallest is None and leanest is not None:
+        config = leanest[1]
+        result.smallest = _judged(
+            model, config, job, software, cluster, gpu_memory(model, config, job, software)
+        )
+    return result
+
+
+def _floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+    """A step time ``config`` cannot beat: its pipeline's floor, plus what data parallel adds for sure
+    and the optimizer."""
+    costs = stage_costs(model, config, job, software, rates)
+    floor = pipeline_floor(config, costs, message_seconds(model, config, job, rates))
+    floor += data_parallel_seconds(model, config, software, rates, costs, None, 1.0)
+    return floor + optimizer_seconds(model, config, rates)
+
+
+def _twins(a: Prediction, b: Prediction) -> bool:
+    """Two configurations that differ only in how data parallel shards the states (or in sequence
+    parallel) and run equally fast: one row is enough."""
+    same = replace(a.config, zero=b.config.zero, sequence_parallel=b.config.sequence_parallel) == b.config
+    return same and abs(a.time.step - b.time.step) <= 1e-3 * b.time.step
+
+
+def _judged(model, config, job, software, cluster, memory) -> Prediction:
+    return rate(model, config, job, software, cluster, memory, step_time(model, config, job, software,
+                                                                         cluster.kind))  # fmt: skip
+
+
+def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> Iterator[Config]:
+    """Every configuration the knobs allow (the module's list), honouring ``fixed``; `SearchError` when
+    none exists, saying which constraint leaves nothing."""
+    check_fixed(model, cluster, job, fixed)
+    layouts = list(_layouts(model, cluster, job, fixed))
+    if not layouts:
+        raise SearchError(_no_layout(model, cluster, job, fixed))
+    found = False
+    for tp, pp, dp in layouts:
+        local = job.global_batch // dp
+        sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
+        for size, (schedule, chunks) in itertools.product(sizes, _schedules(model, pp, fixed)):
+            if local % size:
+                continue
+            for recompute, zero, sp in itertools.product(
+                _choice(fixed, "recompute", RECOMPUTES),
+                _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+                _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
+            ):
+                found = True
+                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp)
+    if not found:
+        raise SearchError(
+            f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
+            f"--global-batch {job.global_batch}"
+        )
+
+
+def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
+    count, per_node = cluster.count, cluster.kind.gpus_per_node
+    for tp in _divisors(min(per_node, count)):
+        if count % tp or (model.kind == "transformer" and model.heads % tp) or model.hidden % tp:
+            continue
+        for pp in _divisors(count // tp):
+            dp = count // (tp * pp)
+            wanted = {"tp": tp, "pp": pp, "dp": dp}
+            if pp > model.layers or any(fixed.get(k, v) != v for k, v in wanted.items()):
+                continue
+            if job.global_batch % dp == 0:
+                yield tp, pp, dp
+
+
+def _schedules(model: PaperModel, pp: int, fixed: dict) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield fixed.get("schedule", ONE_STAGE_SCHEDULE), 1
+        return
+    for name in _choice(fixed, "schedule", tuple(SCHEDULES)):
+        if name in V_SCHEDULES:
+            options = (2,)
+        elif name == "interleaved-1f1b":
+            options = INTERLEAVE_CHUNKS
+        else:
+            options = (1,)
+        for chunks in _choice(fixed, "chunks", options):
+            if pp * chunks <= model.layers and chunks in options:
+                yield name, chunks
+
+
+def _choice(fixed: dict, knob: str, options: tuple) -> tuple:
+    return (fixed[knob],) if knob in fixed else options
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> None:
+    """Refuse a --fix that cannot work, in one line naming the knob."""
+    per_node = cluster.kind.gpus_per_node
+    if fixed.get("tp", 1) > per_node:
+        raise SearchError(
+            f"--fix tp={fixed['tp']} is more than the {per_node} GPUs of a {cluster.kind.name} node: "
+            "tensor parallel stays inside a node"
+        )
+    if fixed.get("pp", 1) > model.layers:
+        raise SearchError(f"--fix pp={fixed['pp']} is more than the model's {model.layers} layers")
+    product = 1
+    for knob in ("tp", "pp", "dp"):
+        product *= fixed.get(knob, 1)
+    if all(k in fixed for k in ("tp", "pp", "dp")) and product != cluster.count:
+        raise SearchError(
+            f"--fix tp x pp x dp = {fixed['tp']} x {fixed['pp']} x {fixed['dp']} = {product}, not the "
+            f"cluster's {cluster.count} GPUs"
+        )
+    if cluster.count % product:
+        raise SearchError(f"--fix {'x'.join(k for k in ('tp', 'pp', 'dp') if k in fixed)} = {product} "
+                          f"does not divide the cluster's {cluster.count} GPUs")  # fmt: skip
+    if model.kind == "transformer" and model.heads % fixed.get("tp", 1):
+        raise SearchError(f"--fix tp={fixed['tp']} does not divide the model's {model.heads} heads")
+    if "dp" in fixed and job.global_batch % fixed["dp"]:
+        raise SearchError(f"--fix dp={fixed['dp']} does not divide --global-batch {job.global_batch}")
+    schedule, chunks = fixed.get("schedule"), fixed.get("chunks")
+    if chunks is not None and chunks > 1 and schedule not in (None, "interleaved-1f1b", *V_SCHEDULES):
+        raise SearchError(f"--fix chunks={chunks} needs an interleaved schedule, not {schedule}")
+    if chunks is not None and schedule in V_SCHEDULES and chunks != 2:
+        raise SearchError(f"--fix schedule={schedule} is a V: two chunks per rank, not {chunks}")
+
+
+def _no_layout(model, cluster, job, fixed) -> str:
+    if any(k in fixed for k in ("tp", "pp", "dp")):
+        return (
+            f"no tp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
+            f"{job.global_batch} by dp"
+        )
+    return (
+        f"no dp x m divides --global-batch {job.global_batch}: on {cluster} (tp at most "
+        f"{cluster.kind.gpus_per_node}, pp at most {model.layers} layers) no data-parallel degree divides "
+        "it; use a multiple of a power of two"
+    )

@@ -1,0 +1,113 @@
+"""``plan --cluster``: the answers it prints, its JSON, and its refusals (one line each, exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeclock.cli.dispatch import main
+
+pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "cluster"
+LLAMA_405B = str(CONFIGS / "llama-3.1-405b.json")
+
+
+def plan(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["pipeclock", "plan"])
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_seeds_question_on_four_rtx4090s_tells_the_memory_wall_in_numbers(monkeypatch, capsys):
+    code, out, err = plan(monkeypatch, capsys, "--cluster", "4xRTX4090", "--params", "10e9")
+    assert (code, err) == (1, "")
+    assert "nothing fits on 4xRTX4090 (96 GiB in all):" in out
+    assert "10B x 18 B = 180 GB" in out and "41.9 GiB per GPU before any activation, against 24 GiB" in out
+    assert "the fewest RTX4090 that fit: " in out and "the largest model of this shape that fits" in out
+
+
+def test_a_405b_config_plans_here_and_fix_prints_one_json_object_with_the_fixed_knobs(monkeypatch, capsys):
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "512xH100-80GB", "--hf-config", LLAMA_405B, "--global-batch", "256",
+        "--seq-len", "8192", "--fix", "tp=8,pp=8,schedule=1f1b,recompute=full", "--json",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    answer = json.loads(out)
+    assert (answer["tp"], answer["pp"], answer["dp"]) == (8, 8, 8)
+    assert (answer["schedule"], answer["recompute"]) == ("1f1b", "full")
+    assert answer["fits"] and answer["memory_per_gpu_bytes"] <= 80 * 2**30
+    for field in ("tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "step_seconds", "microbatch_size"):
+        assert answer[field] > 0
+    tokens = 256 * 8192 / answer["step_seconds"] / 512
+    assert answer["tokens_per_second_per_gpu"] == pytest.approx(tokens, rel=1e-3)
+
+
+def test_the_search_prints_its_ranking_and_why_the_best_wins(monkeypatch, capsys):
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "16xH100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "16",
+        "--heads", "16", "--vocab", "32000", "--seq-len", "2048", "--global-batch", "64", "--top", "3",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "GPT 16 blocks x 2048" in out and "tokens/s/GPU" in out
+    assert out.count("\n1  ") == 1 and "\n3  " in out and "\n4  " not in out
+    assert "\nwhy: " in out and "memory of the fullest GPU: weights" in out
+
+
+def test_a_gpu_spec_file_describes_any_other_kind(monkeypatch, capsys, tmp_path):
+    spec = json.loads((CONFIGS / "h100-96gb-500w.json").read_text())
+    (tmp_path / "gpu.json").write_text(json.dumps(spec | {"name": "MyGPU", "memory_gb": 40}))
+    spec_file = str(tmp_path / "gpu.json")
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "8xMyGPU", "--gpu-spec", spec_file, "--params", "1e9", "--json"
+    )
+    assert (code, err) == (0, "")
+    assert all(row["memory_per_gpu_bytes"] <= 40 * 2**30 for row in json.loads(out))
+
+
+def _spec_without(tmp_path, field: str) -> str:
+    spec = json.loads((CONFIGS / "h100-96gb-500w.json").read_text())
+    del spec[field]
+    (tmp_path / "gpu.json").write_text(json.dumps(spec))
+    return str(tmp_path / "gpu.json")
+
+
+def _t5_config(tmp_path) -> str:
+    from transformers import T5Config
+
+    T5Config(d_model=64, num_layers=2).save_pretrained(str(tmp_path))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cluster", "8xB300"], "unknown GPU kind 'B300': known kinds are A100-40GB, A100-80GB, H100-80GB"),
+        (["--cluster", "eight H100s"], "--cluster takes N x KIND"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC-NO-MEMORY"], "lacks memory_gb"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "/nowhere.json"], "/nowhere.json: no such file"),
+        (["--cluster", "16384xH100-80GB", "--hf-config", LLAMA_405B, "--global-batch", "7"],
+         "no dp x m divides --global-batch 7"),
+        (["--cluster", "32xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "tp=16"],
+         "--fix tp=16 is more than the 8 GPUs of a H100-80GB node"),
+        (["--cluster", "256xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=128"],
+         "--fix pp=128 is more than the model's 126 layers"),
+        (["--cluster", "512xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "tp=8,pp=8,dp=4"],
+         "--fix tp x pp x dp = 8 x 8 x 4 = 256, not the cluster's 512 GPUs"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "speed=2"], "--fix takes KNOB=VALUE pairs"),
+        (["--cluster", "8xH100-80GB", "--hf-config", "T5"], "T5Config (model_type 't5') is not a causal"),
+        (["--cluster", "8xA100-80GB", "--params", "1e9", "--dtype", "fp8"], "A100-80GB has no fp8 tensor"),
+        (["--params", "1e9", "--fix", "tp=2"], "--fix plans a cluster on paper: give --cluster NxKIND too"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, args, message):
+    args = [_spec_without(tmp_path, "memory_gb") if a == "SPEC-NO-MEMORY" else a for a in args]
+    args = [_t5_config(tmp_path) if a == "T5" else a for a in args]
+    code, out, err = plan(monkeypatch, capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("pipeclock plan: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,135 @@
+"""The cluster planner's search: it keeps its promises (fit, fixed knobs, the best found), its bubble is the
+program simulator's, and its pruning never drops a configuration that could win."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pipeclock.engine.actions import join_first_stage_backwards, placement_of
+from pipeclock.engine.generators import SCHEDULES, generate
+from pipeclock.observe.simulate import simulate
+from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_memory import gpu_memory
+from pipeclock.plan.cluster_plan import predict
+from pipeclock.plan.cluster_time import Rates, message_seconds, pipeline_floor, stage_costs, step_time
+from pipeclock.plan.gpus import KINDS, Cluster
+from pipeclock.plan.paper_model import PaperModel
+from pipeclock.plan.search import SearchError, configurations, search
+
+# a 1.2B Llama-shaped model: small enough that every search here takes a fraction of a second
+MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
+                   vocab=32000)  # fmt: skip
+SOFTWARE = Software("bf16")
+
+
+def cluster(count: int, kind: str = "H100-80GB", memory_gib: float | None = None) -> Cluster:
+    gpu = KINDS[kind]
+    if memory_gib is not None:
+        from dataclasses import replace
+
+        gpu = replace(gpu, memory=int(memory_gib * 2**30))
+    return Cluster(count, gpu)
+
+
+def test_the_search_returns_only_configurations_that_fit_best_first():
+    tight = cluster(16, memory_gib=9)  # some layouts fit, many do not
+    job = Job(64, 2048)
+    found = search(MODEL, tight, job, SOFTWARE, top=8)
+    assert found.ranked and found.fitting < found.considered
+    steps = [p.time.step for p in found.ranked]
+    assert steps == sorted(steps)
+    for p in found.ranked:
+        assert p.fits and p.memory.total <= tight.kind.memory
+        assert gpu_memory(MODEL, p.config, job, SOFTWARE) == p.memory  # judged as on its own
+
+
+def test_a_pruned_search_finds_the_best_that_judging_every_configuration_finds():
+    small = cluster(4, memory_gib=12)
+    job = Job(8, 1024)
+    found = search(MODEL, small, job, SOFTWARE, top=1)
+    every = [predict(MODEL, c, job, SOFTWARE, small) for c in configurations(MODEL, small, job, {})]
+    fastest = min((p for p in every if p.fits), key=lambda p: p.time.step)
+    assert found.ranked[0].time.step == pytest.approx(fastest.time.step, rel=1e-12)
+    assert found.simulated < len(every) / 10  # and it simulated a small share of them
+
+
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        {"tp": 2, "pp": 4},
+        {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1", "microbatch-size": 2},
+        {"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2, "recompute": "full", "zero": 1},
+        {"tp": 4, "sp": True, "recompute": "selective", "zero": 3},
+        {"pp": 2, "schedule": "dualpipev"},
+    ],
+)
+def test_fix_honours_every_fixed_knob(fixed):
+    found = search(MODEL, cluster(16), Job(64, 2048), SOFTWARE, fixed, top=1)
+    config = found.ranked[0].config
+    names = {"microbatch-size": "microbatch_size", "sp": "sequence_parallel"}
+    assert all(getattr(config, names.get(k, k)) == v for k, v in fixed.items())
+    assert config.gpus == 16
+
+
+@pytest.mark.parametrize(
+    ("fixed", "message"),
+    [
+        ({"tp": 16}, "more than the 8 GPUs of a H100-80GB node"),
+        ({"pp": 17}, "more than the model's 16 layers"),
+        ({"tp": 2, "pp": 2, "dp": 2}, "= 8, not the cluster's 16 GPUs"),
+        ({"tp": 3}, "does not divide the cluster's 16 GPUs"),
+        ({"schedule": "1f1b", "chunks": 2}, "needs an interleaved schedule"),
+    ],
+)
+def test_a_fix_that_cannot_work_is_refused_naming_the_knob(fixed, message):
+    with pytest.raises(SearchError, match=message):
+        search(MODEL, cluster(16), Job(64, 2048), SOFTWARE, fixed)
+
+
+def test_a_global_batch_no_replica_count_divides_is_refused():
+    with pytest.raises(SearchError, match="no dp x m divides --global-batch 7"):
+        search(MODEL, cluster(16384), Job(7, 2048), SOFTWARE)
+
+
+def _config(schedule: str, pp: int, m: int, chunks: int) -> Config:
+    return Config(tp=1, pp=pp, dp=1, schedule=schedule, chunks=chunks, microbatch_size=1, microbatches=m,
+                  recompute="none", zero=0, sequence_parallel=False)  # fmt: skip
+
+
+CASES = [
+    (name, pp, m, 2 if name in ("interleaved-1f1b", "zb-v", "dualpipev") else 1)
+    for name, (pp, m) in itertools.product(SCHEDULES, [(2, 3), (4, 8), (4, 5), (4, 2), (3, 7)])
+]
+
+
+@pytest.mark.parametrize(("schedule", "pp", "m", "chunks"), CASES)
+def test_the_bubble_is_the_program_simulators_and_the_floor_stays_under_it(schedule, pp, m, chunks):
+    config = _config(schedule, pp, m, chunks)
+    job, gpu = Job(m, 4096), KINDS["H100-80GB"]
+    rates = Rates(gpu, SOFTWARE)
+    costs = stage_costs(MODEL, config, job, SOFTWARE, rates)  # the ends make the stages unequal
+    transfer = message_seconds(MODEL, config, job, rates)
+    table = generate(schedule, pp, m, chunks)
+    placement = placement_of(table)
+    timeline = simulate(
+        join_first_stage_backwards(table),
+        lambda rank, action: costs[placement.stage(rank, action.chunk)][action.op],
+        comm_latency=transfer,
+    )
+    planned = step_time(MODEL, config, job, SOFTWARE, gpu)
+    assert planned.pipeline == pytest.approx(timeline.makespan, rel=0.01)  # costs rounded to 3 digits
+    assert planned.bubble == pytest.approx(timeline.bubble_share, abs=0.01)
+    assert pipeline_floor(config, costs, transfer) <= timeline.makespan * (1 + 1e-9)
+
+
+def test_the_seeds_question_on_the_seeds_hardware_does_not_fit_and_says_how_much_is_missing():
+    from pipeclock.plan.paper_model import mlp_model
+
+    model, card = mlp_model(10**10, 16), KINDS["RTX4090"]
+    found = search(model, Cluster(4, card), Job(128, 1), SOFTWARE)
+    assert not found.ranked and found.smallest is not None
+    assert found.smallest.memory.total > card.memory
+    assert model.parameters() * 18 > 4 * card.memory  # bf16 copy, fp32 gradient, masters, Adam: 18 B each
+    assert search(model, Cluster(16, card), Job(128, 1), SOFTWARE, top=1).ranked
