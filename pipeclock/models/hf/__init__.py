@@ -29,8 +29,8 @@ from pipeclock.models.hf.build import (
     stage_cut,
 )
 from pipeclock.models.hf.stage import HFStage
-from pipeclock.models.hf.tensor_plan import tp_plan
 from pipeclock.models.hf.structure import Layout, NotUnderstood, find_layout
+from pipeclock.models.hf.tensor_plan import tp_plan
 from pipeclock.models.split import PlacementLike, resolve_placement, virtual_stages
 
 __all__ = [
