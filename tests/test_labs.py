@@ -283,3 +283,53 @@ def test_ctrl_c_ends_a_lab_with_one_line_per_rank_and_no_traceback(tmp_path):
     signal_group_when(process, "naive schedule on 2 stages", signal.SIGINT, deadline=120)
     ranks = {int(path.parent.name): path.read_text() for path in tmp_path.glob("*/attempt_0/*/stderr.log")}
     assert ranks == {0: "rank 0: interrupted\n", 1: "rank 1: interrupted\n"}
+
+
+# --- lab 12: tensor parallel. The run its page quotes; the slices, the collectives and the numbers are
+# checked exactly (none depends on timing), the numbers against one process to 1e-5.
+
+
+def numbers_after(label: str, line: str) -> dict[str, float]:
+    """``output 3.5e-07, input gradient ...`` after ``label`` in ``line``, as a dict."""
+    pairs = line.split(label, 1)[1].split(", ")
+    return {" ".join(p.split()[:-1]): float(p.split()[-1]) for p in pairs}
+
+
+@pytest.mark.slow
+def test_lab12_splits_by_hand_and_by_torch_keep_the_same_slices_and_one_process_numbers():
+    out = run_once("python -m pipeclock lab 12").output()
+    assert out.startswith("$ torchrun --nproc-per-node 4 labs/12_tensor_parallel.py")
+    hidden, width, tp = 64, 256, 4
+    for rank in range(tp):
+        rows = f"{rank * width // tp}-{(rank + 1) * width // tp - 1} of {width}"
+        kept = f"up.weight rows {rows}, up.bias {rows}, down.weight columns {rows}, down.bias whole"
+        assert out.count(f"  rank {rank} keeps  {kept}\n") == 2, "by hand and by torch, the same slices"
+    held = (width * hidden + width) // tp + hidden * width // tp + hidden
+    whole = width * hidden + width + hidden * width + hidden
+    assert f"each rank keeps {held:,} of the MLP's {whole:,} parameters" in out
+    assert out.count("collectives  forward: 1 all-reduce; backward: 1 all-reduce\n") == 2
+    gaps = [line for line in out.splitlines() if line.startswith("  against ")]
+    assert len(gaps) == 2
+    for line in gaps:
+        found = numbers_after("on any rank: ", line)
+        assert set(found) == {"output", "input gradient", "weight gradients"}
+        assert all(0 <= gap <= 1e-5 for gap in found.values()), line
+
+
+@pytest.mark.slow
+def test_lab12_pp_by_tp_draws_the_mesh_and_trains_as_one_process():
+    out = run_once("python -m pipeclock lab 12").output()
+    part = out[out.index("3. pp 2 x tp 2 on 4 processes") :]
+    assert "tp rank 0  rank 0 ---------------> rank 2" in part, "tp rank t of a stage sends to tp rank t"
+    assert "tp rank 1  rank 1 ---------------> rank 3" in part
+    for rank in range(4):
+        first, half = 2 * (rank // 2), f"{128 * (rank % 2)}-{128 * (rank % 2) + 127} of 256"
+        assert (
+            f"  rank {rank} holds  layers.{first}.weight rows {half}, layers.{first}.bias {half}, "
+            f"layers.{first + 1}.weight columns {half}, layers.{first + 1}.bias whole" in part
+        ), "each stage is one column-row pair, split between its two ranks"
+    losses = re.findall(r"^ +(\d)  ([\d.]+) +([\d.]+)$", part, re.M)
+    assert [step for step, *_ in losses] == ["0", "1", "2", "3", "4"]
+    for _, ours, alone in losses:
+        assert float(ours) == pytest.approx(float(alone), rel=1e-5)
+
