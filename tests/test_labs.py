@@ -333,3 +333,47 @@ def test_lab12_pp_by_tp_draws_the_mesh_and_trains_as_one_process():
     for _, ours, alone in losses:
         assert float(ours) == pytest.approx(float(alone), rel=1e-5)
 
+
+# --- lab 13: the cluster planner, on paper. Its figures are the planner's; what is checked is that the
+# lab's story holds together: the arithmetic of the memory wall, the comparison's errors, the bubble of
+# 1F1B at m = p from the schedule's formula.
+
+
+def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published_run():
+    out = run_once("python -m pipeclock lab 13").output()
+    assert "nothing fits on 4xRTX4090 (96 GiB in all)" in out
+    per_parameter, total = re.search(r"10B x (\d+) B = \d+ GB = (\d+) GiB", out).groups()
+    assert int(total) == round(10e9 * int(per_parameter) / 2**30)
+    split = float(re.search(r"split 4 ways .*: ([\d.]+) GiB per GPU before any activation", out)[1])
+    assert split == pytest.approx(10e9 * int(per_parameter) / 4 / 2**30, abs=0.05)
+    fewest, fewest_memory = re.search(
+        r"the fewest RTX4090 that fit: (\d+),.* ([\d.]+) GiB per GPU$", out, re.M
+    ).groups()
+    assert int(fewest) > 4 and float(fewest_memory) <= 24
+    assert float(re.search(r"the largest model of this shape .*: about ([\d.]+)B parameters", out)[1]) < 10
+
+    rows = re.findall(
+        r"^  (1f1b|interleaved-1f1b) +(\d+) +([\d.]+) +([+-][\d.]+)% +"
+        r"([\d.]+) GiB +([\d.]+) GiB +([+-][\d.]+)%$",
+        out,
+        re.M,
+    )
+    assert [(name, published) for name, published, *_ in rows] == [
+        ("1f1b", "100"),
+        ("interleaved-1f1b", "128"),
+    ]
+    for _, published, predicted, error, published_gib, predicted_gib, memory_error in rows:
+        assert float(error) == pytest.approx(100 * (float(predicted) / float(published) - 1), abs=0.06)
+        assert float(memory_error) == pytest.approx(
+            100 * (float(predicted_gib) / float(published_gib) - 1), abs=0.1
+        )
+        assert abs(float(error)) <= 15, "the plan is within the planner's target of the published speed"
+    table = re.search(r"^1  ([\d.]+) .* (\d+\.\d)%   tp 8\+sp x pp 8 x dp 8, 1f1b, mbs 4 x m 8", out, re.M)
+    assert round(float(table[1]), 1) == float(rows[0][2]), "the table and the comparison are the same plan"
+    p = m = 8
+    assert float(table[2]) == pytest.approx(100 * (p - 1) / (m + p - 1), abs=0.1), "1F1B's bubble at m = p"
+    gains = re.search(
+        r"published \+([\d.]+)%, predicted \+([\d.]+)% \(the simulated bubble ([\d.]+)% -> ([\d.]+)%\)", out
+    )
+    assert float(gains[1]) == pytest.approx(100 * (128 / 100 - 1)) and float(gains[2]) > 0
+    assert float(gains[4]) < float(gains[3]) == float(table[2])
