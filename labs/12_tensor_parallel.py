@@ -188,9 +188,10 @@ def show_split(title: str, lines: list[str], outcome: Outcome, gaps: dict[str, f
 
 
 def parts_one_and_two(args: argparse.Namespace, rank: int, world: int) -> None:
-    model = make_mlp(args.hidden, args.seed)
+    device = comms.device()  # the CPU under gloo; this rank's GPU under nccl
+    model = make_mlp(args.hidden, args.seed).to(device)
     generator = torch.Generator().manual_seed(args.seed + 1)
-    x, target = (torch.randn(args.batch_size, args.hidden, generator=generator) for _ in range(2))
+    x, target = (torch.randn(args.batch_size, args.hidden, generator=generator).to(device) for _ in range(2))
     whole = dict(model.named_parameters())
     reference = run(model, x, target)
     hand = run(by_hand(model, rank, world), x, target)
