@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import cluster_report as report
@@ -28,8 +29,9 @@ DEFAULT_SEQ_LEN = 4096
 LARGEST_CLUSTER_TRIED = 2**16
 
 
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """The cluster options, in the plan command's own group."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster options, in a group of their own in the plan command's help."""
+    group = parser.add_argument_group("a cluster, on paper")
     group.add_argument(
         "--cluster", metavar="NxKIND",
         help="plan on paper for N GPUs of a kind: 512xH100-80GB, 4xRTX4090 ... (kinds: A100-40GB, "
@@ -80,10 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         return _print_json(result, fixed)
     print("\n".join(report.header(model, cluster, job, software)))
-    print(
-        f"  searched {result.considered:,} configurations in {seconds:.2g} s: judged the {result.judged:,} "
-        f"that could win, {result.fitting:,} fit in {report.format_bytes(cluster.kind.memory, binary=True)}"
-    )
+    print(report.searched(result, cluster, seconds))
     if not result.ranked:
         print("\n".join(["", *report.nothing_fits(result, model, cluster, software)]))
         fewest = _fewest(model, cluster, job, software)
@@ -106,7 +105,8 @@ def model_from(args: argparse.Namespace) -> tuple[PaperModel, int]:
     """The model on paper the flags describe, and the tokens per sequence (1 for a ShardedMLP)."""
     if args.hf_config:
         config = read_config(args.hf_config)
-        model = paper_model(config)
+        path = Path(args.hf_config)
+        model = paper_model(config, path.parent.name if path.name == "config.json" else path.stem)
         positions = max_positions(config)
         seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
         if positions is not None and seq_len > positions:

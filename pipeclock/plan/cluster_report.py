@@ -24,7 +24,8 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         f"pipeclock plan: {model} on {cluster} ({nodes}; {link}, {network}), {software.dtype}, adam, "
         f"{kernels}",
         f"  {model.parameters():,} parameters; {_count(model.model_flops_per_token(job.seq_len))}FLOP per "
-        f"{unit[:-1]} to train (6 x the matrix parameters + attention)",
+        f"{unit[:-1]} to train (6 x the matrix parameters"
+        + (" + attention)" if model.kind == "transformer" else ")"),
     ]
     if model.kind == "transformer":
         lines.append(
@@ -33,6 +34,21 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
     else:
         lines.append(f"  a step: {job.global_batch:,} samples")
     return lines
+
+
+def searched(result: SearchResult, cluster: Cluster, seconds: float) -> str:
+    """How much the search looked at, and in how long (a decimal point always: the docs' quotes let a
+    measured number vary only where it has one)."""
+    capacity = format_bytes(cluster.kind.memory, binary=True)
+    took = f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds:.3f} s"
+    if not result.judged:
+        return (
+            f"  searched {result.considered:,} configurations in {took}: the states fit in {capacity} in none"
+        )
+    return (
+        f"  searched {result.considered:,} configurations in {took}: judged the {result.judged:,} that could "
+        f"win, {result.fitting:,} fit in {capacity}"
+    )
 
 
 def table(predictions: list[Prediction], model: PaperModel) -> str:

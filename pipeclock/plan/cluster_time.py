@@ -2,9 +2,9 @@
 
 One micro-batch through one layer on one GPU costs, forward:
 
-- the matrix products: FLOPs at ``GEMM_EFFICIENCY`` of the dense peak, plus their operands' trip through
-  memory at the memory's bandwidth (what makes small products less efficient than large ones);
-- attention: its FLOPs (the causal half) at ``ATTENTION_EFFICIENCY`` of the peak;
+- the matrix products: FLOPs at the GPU kind's ``gemm_efficiency`` of the dense peak, plus their operands'
+  trip through memory at the memory's bandwidth (what makes small products less efficient than large);
+- attention: its FLOPs (the causal half) at ``ATTENTION_SHARE`` of the products' speed;
 - the elementwise operations: ``ELEMENTWISE_PASSES`` times the bytes the layer keeps, through memory;
 - tensor parallel: two collectives of the layer's activations (all-reduces, or with sequence parallel an
   all-gather and a reduce-scatter each) on the node's link; hidden in part when the run overlaps them.
@@ -15,8 +15,8 @@ split into I and W, W is the weight-gradient products alone. A stage's action is
 embedding on the first stage and the head and loss on the last. The pipeline's step is then what
 ``pipeclock.observe.simulate`` makes of the schedule's program with these costs and the stage-to-stage
 messages on their link (the same simulator as the measured planner's, cached by the costs' ratios). The
-data-parallel collectives overlap the backward of the last micro-batch (gradients) and the forward of the
-first (a ZeRO gather); what they exceed it by is added, and so is the optimizer's pass over its states.
+data-parallel collectives are laid along the simulated timeline (`data_parallel_seconds`), and the
+optimizer's pass over its states comes last. The constants are `pipeclock.plan.calibration`'s.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ ranks moves ``2 (tp - 1) / tp`` of the bytes over each rank's link; nothing over
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipeclock.observe.simulate import Link
 from pipeclock.plan.profile import LayerCost
@@ -27,6 +27,27 @@ from pipeclock.plan.profile import LayerCost
 TRANSFORMER = {"embed": 1.0, "block": 2.0, "layer": 2.0, "head": 1.0}
 MLP = {"layer": 0.5, "last": 0.5}
 INSIDE = ("held", "weight_held", "weight_extra", "weight_held_checkpointed", "workspace", "unmetered")
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """``plan --tp``: the degree, each kind of layer's collectives (`TRANSFORMER` or `MLP`), and whether
+    sequence parallel splits the activations between layers."""
+
+    tp: int = 1
+    collectives: dict | None = None
+    sequence_parallel: bool = False
+
+    def describe(self, charged: bool) -> str:
+        """The line the planner prints about it (``charged``: the model's times are seconds)."""
+        calls = "all-gathers and reduce-scatters" if self.sequence_parallel else "all-reduces"
+        how = "charged on the --link-* link, unhidden" if charged else (
+            "not charged: a rough model's times are layer forwards, not seconds (measure one with --model)"
+        )  # fmt: skip
+        return (
+            f"tensor parallel {self.tp}: each stage's layers split over {self.tp} ranks, each holding "
+            f"1/{self.tp} of their matrices; their {calls} {how}"
+        )
 
 
 def all_reduce_seconds(size: float, tp: int, link: Link, sequence_parallel: bool = False) -> float:

@@ -19,7 +19,6 @@ import argparse
 import itertools
 import math
 import sys
-from typing import NamedTuple
 
 from pipeclock.cli import plan_cluster
 from pipeclock.cli.arguments import (
@@ -30,25 +29,12 @@ from pipeclock.cli.arguments import (
     positive_int,
 )
 from pipeclock.observe.sizes import format_bytes, parse_bytes
+from pipeclock.plan import plan_text
 from pipeclock.plan.planner import BALANCES, Plan
 from pipeclock.plan.rank_memory import OPTIMIZER_STATE_BYTES, Recompute, Training
 
 DEFAULT_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 MAX_STAGES = 16
-BAR_WIDTH = 50
-_UNIT_SIZES = (
-    ("B", 1), ("KB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12),
-    ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40),
-)  # fmt: skip
-PART_MARKS = {
-    "parameters": "P",
-    "gradients": "G",
-    "optimizer": "O",
-    "activations": "A",
-    "messages": "M",
-    "workspace": "W",
-    "runtime": "R",
-}
 
 
 class UsageError(ValueError):
@@ -141,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "about 2MiB on CPU over gloo (python -m benchmarks.planner measures it) (default 0B)",
     )  # fmt: skip
     parser.add_argument("--png", metavar="FILE", help="also draw the memory per rank into this PNG file")
-    plan_cluster.add_arguments(parser.add_argument_group("a cluster, on paper"))
+    plan_cluster.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,7 +173,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     print(describe_model(model, training, device, binary))
     if split.tp > 1:
-        print(_tp_line(split, model.time_unit != "ms"))
+        print(split.describe(charged=model.time_unit == "ms"))
     overhead = args.action_overhead / 1e3
     plans = _search(
         model, schedules, stages, microbatches, recomputes, training, args.balance, device, overhead, runtime,
@@ -195,21 +181,22 @@ def _plan(args: argparse.Namespace) -> int:
     )  # fmt: skip
     fewest = min((plan.stages for plan in plans if plan.fits(device)), default=None)
     print()
-    print("\n".join(_reasoning(model, training, device, binary, stages, plans, fewest, split.tp)))
+    print("\n".join(plan_text.reasoning(model, training, device, binary, stages, plans, fewest, split.tp)))
     if fewest is None:
         print("\nnothing fits: try more stages, more micro-batches, recompute, or a larger device")
         return 1
     fitting = sorted((p for p in plans if p.fits(device)), key=lambda p: (p.step_time, p.peak, p.stages))
     at_fewest = [plan for plan in fitting if plan.stages == fewest]
-    print(f"\nthe fastest on {_plural(fewest, 'stage')} (step time in {unit}; memory of the fullest rank):")
-    print(_table(at_fewest[: args.top], unit, binary, model.time_scale))
+    on_fewest = plan_text.plural(fewest, "stage")
+    print(f"\nthe fastest on {on_fewest} (step time in {unit}; memory of the fullest rank):")
+    print(plan_text.table(at_fewest[: args.top], unit, binary, model.time_scale))
     if fitting[0].stages != fewest:
         print(f"\nthe fastest on any number of stages up to {max(stages)}:")
-        print(_table(fitting[: args.top], unit, binary, model.time_scale))
+        print(plan_text.table(fitting[: args.top], unit, binary, model.time_scale))
     best = at_fewest[0]
-    marks = ", ".join(f"{m} {k}" for k, m in PART_MARKS.items() if k in best.memory[0].parts)
-    print(f"\nmemory per rank, {_label(best)} ({marks}):")
-    print(_bars(best, device, binary))
+    marks = ", ".join(f"{m} {k}" for k, m in plan_text.PART_MARKS.items() if k in best.memory[0].parts)
+    print(f"\nmemory per rank, {plan_text.label(best)} ({marks}):")
+    print(plan_text.bars(best, device, binary))
     if args.png:
         from pipeclock.plan.plan_png import draw_memory
 
@@ -217,24 +204,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-class TensorSplit(NamedTuple):
-    """``--tp`` and what it needs: the collectives per kind of layer, sequence parallel."""
-
-    tp: int = 1
-    collectives: dict | None = None
-    sequence_parallel: bool = False
-
-
-def _tensor_split(args: argparse.Namespace) -> TensorSplit:
+def _tensor_split(args: argparse.Namespace):
     """``--tp`` checked against the model's widths (a rank holds whole heads, whole columns)."""
-    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER
+    from pipeclock.plan.tensor_parallel import MLP, TRANSFORMER, TensorSplit
 
     if args.sequence_parallel and args.tp == 1:
         raise UsageError("--sequence-parallel splits tensor parallel's activations: give --tp N (N > 1)")
     if args.params is not None or args.model == "mlp":
-        width, what = (args.hidden, "--hidden") if args.params is None else (None, "")
-        if width is not None and width % args.tp:
-            raise UsageError(f"--tp {args.tp} does not divide the MLP's {what} {width}")
+        if args.params is None and args.hidden % args.tp:
+            raise UsageError(f"--tp {args.tp} does not divide the MLP's --hidden {args.hidden}")
         return TensorSplit(args.tp, MLP, args.sequence_parallel)
     heads = args.heads
     if args.model == "hf" and args.hf_config:
@@ -246,18 +224,6 @@ def _tensor_split(args: argparse.Namespace) -> TensorSplit:
     return TensorSplit(args.tp, TRANSFORMER, args.sequence_parallel)
 
 
-def _tp_line(split: TensorSplit, rough: bool) -> str:
-    calls = "all-gathers and reduce-scatters" if split.sequence_parallel else "all-reduces"
-    charged = (
-        "not charged: a rough model's times are layer forwards, not seconds (measure one with --model)"
-        if rough else "charged on the --link-* link, unhidden"
-    )  # fmt: skip
-    return (
-        f"tensor parallel {split.tp}: each stage's layers split over {split.tp} ranks, each holding "
-        f"1/{split.tp} of their matrices; their {calls} {charged}"
-    )
-
-
 def _search(
     model, schedules, stages, microbatches, recomputes, training, balance, device, overhead=0.0, runtime=0,
     link=None, split=None,
@@ -265,7 +231,7 @@ def _search(
     """Every configuration's memory; the step time of those that fit (simulating costs time)."""
     from pipeclock.observe.simulate import Link
     from pipeclock.plan.planner import judge
-    from pipeclock.plan.tensor_parallel import split_layers
+    from pipeclock.plan.tensor_parallel import TensorSplit, split_layers
 
     plans: list[Plan] = []
     split = split or TensorSplit()
@@ -294,150 +260,6 @@ def _search(
             )
         plans.append(plan)
     return plans
-
-
-def _reasoning(model, training, device, binary, stages, plans, fewest, tp=1) -> list[str]:
-    """The course's question answered step by step: the arithmetic, then what whole layers change."""
-    size = lambda count: format_bytes(count, binary)  # noqa: E731
-    per = training.bytes_per_parameter
-    total = per * model.parameters
-    state = OPTIMIZER_STATE_BYTES[training.optimizer]
-    lines = [
-        "will it fit?",
-        f"  per parameter: 4 B weight + 4 B gradient + {state} B {training.optimizer} state = {per} B"
-        + (" (bf16 autocast keeps fp32 masters)" if training.dtype == "bf16" else ""),
-        f"  the whole model: {_count(model.parameters)} x {per} B = {size(total)} to train; "
-        f"ceil({size(total)} / {size(device)}) = {_plural(math.ceil(total / device), 'device')} "
-        "at the very least",
-    ]
-    largest = max(layer.parameters for layer in model.layers)
-    lines.append(
-        f"  but a stage holds whole layers: {len(model.layers)} layers, the largest "
-        f"{_count(largest)} parameters = {size(per * largest)} to train"
-    )
-    bound = math.ceil(math.ceil(total / device) / tp)  # stages, each on tp devices
-    for p in sorted({plan.stages for plan in plans}):
-        if p < min(bound, fewest or bound):
-            continue  # below the arithmetic's bound: nothing to show
-        if fewest is not None and p > fewest:
-            break
-        plan = _representative([plan for plan in plans if plan.stages == p], device)
-        fullest = max(plan.memory, key=lambda rank: rank.total)
-        static = fullest.parameters + fullest.gradients + fullest.optimizer
-        moving = fullest.total - static - fullest.runtime  # activations and the rest, or the optimizer's
-        runtime = f" + {size(fullest.runtime)} runtime" if fullest.runtime else ""
-        verdict = "fits" if plan.fits(device) else "does not fit"
-        sign = "<=" if plan.fits(device) else ">"
-        held = _layers_on(plan, plan.memory.index(fullest))
-        lines.append(
-            f"  {_plural(p, 'stage')}: the fullest rank holds {_plural(held, 'layer')} "
-            f"= {size(static)} + {size(moving)} activations, messages and temporaries{runtime} "
-            f"({_label(plan)}) "
-            f"= {_versus(plan.peak, device, binary)} {sign} {size(device)}: {verdict}"
-        )
-    if fewest is None:
-        lines.append(f"  no number of stages up to {max(stages)} fits")
-    else:
-        split = f" x tp {tp}" if tp > 1 else ""
-        lines.append(
-            f"answer: {_plural(fewest, 'stage')}{split} ({_plural(fewest * tp, 'device')} of {size(device)})"
-        )
-    return lines
-
-
-def _representative(plans: list[Plan], device: int) -> Plan:
-    """The configuration that speaks for its number of stages: the fastest that fits, else the smallest."""
-    fitting = [plan for plan in plans if plan.fits(device)]
-    if fitting:
-        return min(fitting, key=lambda plan: (plan.step_time, plan.peak))
-    return min(plans, key=lambda plan: plan.peak)
-
-
-def _layers_on(plan: Plan, rank: int) -> int:
-    from pipeclock.engine.actions import placement_of
-    from pipeclock.engine.generators import generate
-
-    table = generate(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
-    return sum(len(plan.cut[s]) for s in placement_of(table).stages[rank])
-
-
-def _table(plans: list[Plan], unit: str, binary: bool, time_scale: float) -> str:
-    """The plans as rows; ``unit`` is said by the caller, the per-rank figures share the peak's unit."""
-    shown_unit = format_bytes(plans[0].peak, binary).split()[1]
-    scale = dict(_UNIT_SIZES)[shown_unit]
-    header = (
-        "schedule",
-        "p",
-        "m",
-        "recompute",
-        "balance",
-        "step",
-        "bubble",
-        "peak",
-        f"per rank ({shown_unit})",
-    )
-    rows = [header]
-    for plan in plans:
-        per_rank = " ".join(f"{rank.total / scale:.3g}" for rank in plan.memory)
-        rows.append(
-            (
-                plan.schedule if plan.chunks == 1 else f"{plan.schedule} (v={plan.chunks})",
-                str(plan.stages),
-                str(plan.microbatches),
-                str(plan.training.recompute),
-                plan.balance,
-                _time(plan.step_time * time_scale),
-                f"{plan.bubble:.1%}",
-                format_bytes(plan.peak, binary),
-                per_rank if len(plan.memory) <= 8 else per_rank.split()[0] + " ...",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
-
-
-def _bars(plan: Plan, device: int, binary: bool) -> str:
-    """One bar per rank, ``BAR_WIDTH`` characters for the device's memory; ``!`` past its end."""
-    lines = []
-    for rank, memory in enumerate(plan.memory):
-        bar, used = "", 0.0
-        for part, count in memory.parts.items():
-            start, used = round(used / device * BAR_WIDTH), used + count
-            bar += PART_MARKS[part] * (round(used / device * BAR_WIDTH) - start)
-        shown = bar[:BAR_WIDTH].ljust(BAR_WIDTH, ".") + ("!" if len(bar) > BAR_WIDTH else "")
-        total = format_bytes(memory.total, binary)
-        lines.append(f"rank {rank:2d} |{shown}| {total} of {format_bytes(device, binary)}")
-    return "\n".join(lines)
-
-
-def _versus(total: int, device: int, binary: bool) -> str:
-    """``total`` with as many digits as it takes to differ from the device's size (80.004 GB > 80 GB)."""
-    for digits in range(3, 10):
-        shown = format_bytes(total, binary, digits)
-        if total == device or shown != format_bytes(device, binary, digits):
-            return shown
-    return shown
-
-
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'s' if count != 1 else ''}"
-
-
-def _label(plan: Plan) -> str:
-    chunks = f", v={plan.chunks}" if plan.chunks > 1 else ""
-    recompute = f", recompute {plan.training.recompute}" if plan.training.recompute.enabled else ""
-    return f"{plan.schedule}{chunks}, m={plan.microbatches}{recompute}"
-
-
-def _time(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
-def _count(number: int) -> str:
-    for name, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if number >= size:
-            return f"{number / size:.3g}{name}"
-    return str(number)
 
 
 # --- reading the command line -------------------------------------------------------------------------
