@@ -16,6 +16,9 @@ the first micro-batch that brings it, and its figures are reused after (the call
 ``measuring(..., shape=)``). The hook costs Python on every saved tensor: at small widths it was a fifth
 of an action's engine time. A chunk whose saved tensors depend on its input's values, not only on their
 shapes (a mixture of experts routing tokens), is metered by its first micro-batch of each shape.
+
+A tensor split by tensor parallel (a DTensor, saved by a split layer) counts as this rank's part of it,
+where it lives: the wrapper has no memory of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class ActivationMeter:
@@ -84,7 +88,7 @@ class ActivationMeter:
         # A saved weight is often a view (``weight.t()``) starting where the parameter does. Read now, not
         # once: a data-parallel wrapper (FSDP2) gathers the weights into fresh memory for each forward.
         parameters = self._parameters()
-        self._parameter_pointers = {p.data_ptr() for p in parameters}
+        self._parameter_pointers = {_where(p)[0] for p in parameters}
         parameter_ids = {id(p) for p in parameters}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,7 +96,7 @@ class ActivationMeter:
             # itself, or in this closure, would hold its own grad_fn, a cycle through autograd's C++
             # that keeps every step's graph alive (memory grew by a step's activations per step).
             if not is_parameter_cast(tensor, parameter_ids):
-                saved.append((tensor.data_ptr(), tensor.nbytes))
+                saved.append(_where(tensor))
             return tensor.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
@@ -141,7 +145,15 @@ def _located(tensors: list) -> list[tuple[int, int]]:
     """(data pointer, bytes) of each tensor. Anything else a stage returned (a number, None, a cache
     object) holds no activation memory here, and is the engine's to refuse with its own message (what a
     stage may send), not the meter's to trip over."""
-    return [(t.data_ptr(), t.nbytes) for t in tensors if isinstance(t, torch.Tensor)]
+    return [_where(t) for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _where(tensor: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of the memory ``tensor`` occupies on this rank: a DTensor's local part."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            tensor = tensor.to_local()
+    return tensor.data_ptr(), tensor.nbytes
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,9 @@ class Attention(nn.Module):
         """With a ``cache``, ``x`` holds the tokens that follow the cached ones: their keys and values join
         the cache and their queries attend to every cached token (a new token costs one position)."""
         batch, tokens, _ = x.shape
+        dtype, x = x.dtype, _as_autocast_would(x)  # cast once for the three projections: one copy kept
         q, k, v = (self._heads(linear(x)) for linear in (self.q, self.k, self.v))
-        cos, sin = _rotary(positions, self.head_dim, x.dtype)
+        cos, sin = _rotary(positions, self.head_dim, dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -130,6 +131,13 @@ class Attention(nn.Module):
         """``(batch, tokens, heads x head_dim)`` -> ``(batch, heads, tokens, head_dim)``."""
         batch, tokens, _ = projected.shape
         return projected.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+
+
+def _as_autocast_would(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's compute dtype where autocast is on (each Linear would cast it, and keep its own
+    copy for the backward); ``x`` itself otherwise."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
 class LayerCache:

@@ -99,7 +99,11 @@ def tensor_parallel(
 ) -> list[nn.Module]:
     """Split this rank's ``chunks`` over the mesh's ``"tp"`` dim as ``plan`` says, in place; every rank
     calls it, together (the checks gather every rank's findings). ``source`` names the plan in errors
-    (``--tp-plan FILE``, or the model's own). Returns the chunks."""
+    (``--tp-plan FILE``, or the model's own). Returns the chunks.
+
+    The tp ranks of a stage compute one result together: give each of them its replica's batch, the
+    same inputs and targets (different ones would leave each rank a wrong gradient, silently).
+    """
     chunks = list(chunks)
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
