@@ -97,7 +97,8 @@ def run(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> Outcome:
         loss.backward()
     held = {name: local(p) for name, p in model.named_parameters()}
     grads = {name: local(p.grad) for name, p in model.named_parameters()}
-    return Outcome(output.detach() * 1, x.grad, held, grads, (counted(forward), counted(backward)))
+    # torch's row split returns its sum still in flight (an AsyncCollectiveTensor): a copy waits for it
+    return Outcome(output.detach().clone(), x.grad, held, grads, (counted(forward), counted(backward)))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
