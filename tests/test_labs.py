@@ -294,3 +294,97 @@ def test_ctrl_c_ends_a_lab_with_one_line_per_rank_and_no_traceback(tmp_path):
     signal_group_when(process, "naive schedule on 2 stages", signal.SIGINT, deadline=120)
     ranks = {int(path.parent.name): path.read_text() for path in tmp_path.glob("*/attempt_0/*/stderr.log")}
     assert ranks == {0: "rank 0: interrupted\n", 1: "rank 1: interrupted\n"}
+
+
+# --- lab 12: tensor parallel. The run its page quotes; the slices, the collectives and the numbers are
+# checked exactly (none depends on timing), the numbers against one process to 1e-5.
+
+
+def numbers_after(label: str, line: str) -> dict[str, float]:
+    """``output 3.5e-07, input gradient ...`` after ``label`` in ``line``, as a dict."""
+    pairs = line.split(label, 1)[1].split(", ")
+    return {" ".join(p.split()[:-1]): float(p.split()[-1]) for p in pairs}
+
+
+@pytest.mark.slow
+def test_lab12_splits_by_hand_and_by_torch_keep_the_same_slices_and_one_process_numbers():
+    out = run_once("python -m pipeclock lab 12").output()
+    assert out.startswith("$ torchrun --nproc-per-node 4 labs/12_tensor_parallel.py")
+    hidden, width, tp = 64, 256, 4
+    for rank in range(tp):
+        rows = f"{rank * width // tp}-{(rank + 1) * width // tp - 1} of {width}"
+        kept = f"up.weight rows {rows}, up.bias {rows}, down.weight columns {rows}, down.bias whole"
+        assert out.count(f"  rank {rank} keeps  {kept}\n") == 2, "by hand and by torch, the same slices"
+    held = (width * hidden + width) // tp + hidden * width // tp + hidden
+    whole = width * hidden + width + hidden * width + hidden
+    assert f"each rank keeps {held:,} of the MLP's {whole:,} parameters" in out
+    assert out.count("collectives  forward: 1 all-reduce; backward: 1 all-reduce\n") == 2
+    gaps = [line for line in out.splitlines() if line.startswith("  against ")]
+    assert len(gaps) == 2
+    for line in gaps:
+        found = numbers_after("on any rank: ", line)
+        assert set(found) == {"output", "input gradient", "weight gradients"}
+        assert all(0 <= gap <= 1e-5 for gap in found.values()), line
+
+
+@pytest.mark.slow
+def test_lab12_pp_by_tp_draws_the_mesh_and_trains_as_one_process():
+    out = run_once("python -m pipeclock lab 12").output()
+    part = out[out.index("3. pp 2 x tp 2 on 4 processes") :]
+    assert "tp rank 0  rank 0 ---------------> rank 2" in part, "tp rank t of a stage sends to tp rank t"
+    assert "tp rank 1  rank 1 ---------------> rank 3" in part
+    for rank in range(4):
+        first, half = 2 * (rank // 2), f"{128 * (rank % 2)}-{128 * (rank % 2) + 127} of 256"
+        assert (
+            f"  rank {rank} holds  layers.{first}.weight rows {half}, layers.{first}.bias {half}, "
+            f"layers.{first + 1}.weight columns {half}, layers.{first + 1}.bias whole" in part
+        ), "each stage is one column-row pair, split between its two ranks"
+    losses = re.findall(r"^ +(\d)  ([\d.]+) +([\d.]+)$", part, re.M)
+    assert [step for step, *_ in losses] == ["0", "1", "2", "3", "4"]
+    for _, ours, alone in losses:
+        assert float(ours) == pytest.approx(float(alone), rel=1e-5)
+
+
+# --- lab 13: the cluster planner, on paper. Its figures are the planner's; what is checked is that the
+# lab's story holds together: the arithmetic of the memory wall, the comparison's errors, the bubble of
+# 1F1B at m = p from the schedule's formula.
+
+
+def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published_run():
+    out = run_once("python -m pipeclock lab 13").output()
+    assert "nothing fits on 4xRTX4090 (96 GiB in all)" in out
+    per_parameter, total = re.search(r"10B x (\d+) B = \d+ GB = (\d+) GiB", out).groups()
+    assert int(total) == round(10e9 * int(per_parameter) / 2**30)
+    split = float(re.search(r"split 4 ways .*: ([\d.]+) GiB per GPU before any activation", out)[1])
+    assert split == pytest.approx(10e9 * int(per_parameter) / 4 / 2**30, abs=0.05)
+    fewest, fewest_memory = re.search(
+        r"the fewest RTX4090 that fit: (\d+),.* ([\d.]+) GiB per GPU$", out, re.M
+    ).groups()
+    assert int(fewest) > 4 and float(fewest_memory) <= 24
+    assert float(re.search(r"the largest model of this shape .*: about ([\d.]+)B parameters", out)[1]) < 10
+
+    rows = re.findall(
+        r"^  (1f1b|interleaved-1f1b) +(\d+) +([\d.]+) +([+-][\d.]+)% +"
+        r"([\d.]+) GiB +([\d.]+) GiB +([+-][\d.]+)%$",
+        out,
+        re.M,
+    )
+    assert [(name, published) for name, published, *_ in rows] == [
+        ("1f1b", "100"),
+        ("interleaved-1f1b", "128"),
+    ]
+    for _, published, predicted, error, published_gib, predicted_gib, memory_error in rows:
+        assert float(error) == pytest.approx(100 * (float(predicted) / float(published) - 1), abs=0.06)
+        assert float(memory_error) == pytest.approx(
+            100 * (float(predicted_gib) / float(published_gib) - 1), abs=0.1
+        )
+        assert abs(float(error)) <= 15, "the plan is within the planner's target of the published speed"
+    table = re.search(r"^1  ([\d.]+) .* (\d+\.\d)%   tp 8\+sp x pp 8 x dp 8, 1f1b, mbs 4 x m 8", out, re.M)
+    assert round(float(table[1]), 1) == float(rows[0][2]), "the table and the comparison are the same plan"
+    p = m = 8
+    assert float(table[2]) == pytest.approx(100 * (p - 1) / (m + p - 1), abs=0.1), "1F1B's bubble at m = p"
+    gains = re.search(
+        r"published \+([\d.]+)%, predicted \+([\d.]+)% \(the simulated bubble ([\d.]+)% -> ([\d.]+)%\)", out
+    )
+    assert float(gains[1]) == pytest.approx(100 * (128 / 100 - 1)) and float(gains[2]) > 0
+    assert float(gains[4]) < float(gains[3]) == float(table[2])
