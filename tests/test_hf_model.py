@@ -89,8 +89,8 @@ def test_a_model_already_built_is_split_with_its_own_weights():
 def test_a_stage_sends_plain_tensors():
     (ids, mask), _ = padded_batch(2, 8, seed=0)
     out = hf.split(llama_config(), 0, 3, seed=0)((ids, mask))
-    assert isinstance(out, tuple) and all(type(t) is torch.Tensor for t in out)
-    assert torch.equal(out[1], mask)
+    assert isinstance(out, dict) and all(type(t) is torch.Tensor for t in out.values())
+    assert torch.equal(out["attention_mask"], mask) and torch.equal(out["input_ids"], ids)
 
 
 def test_attention_dropout_is_turned_off_with_one_warning():
@@ -131,6 +131,39 @@ def test_what_cannot_be_split_is_one_clear_line(tmp_path):
     assert "vocabulary of 100 tokens" in message
     message = one_line_error(lambda: hf.split(str(small), 0, 2))
     assert "holds no weights" in message
+
+
+# --- modules without parameters ------------------------------------------------------------------------
+
+
+def norm_without_weights_families():
+    """OLMo (a LayerNorm without weight or bias) and NanoChat (an RMSNorm without weight): the final norm
+    holds no parameter, so only the model's own forward knows it is there."""
+    from transformers import NanoChatConfig, OlmoConfig
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)  # fmt: skip
+    return [OlmoConfig(**sizes), NanoChatConfig(**sizes)]
+
+
+@pytest.mark.parametrize("config", norm_without_weights_families(), ids=lambda c: type(c).__name__)
+def test_a_final_norm_without_weights_is_run_so_the_exported_model_gives_the_pipelines_loss(config, tmp_path):
+    """Three stages on one process (the norm on the last), one step; the stages' weights exported and
+    read back by ``transformers``, whose ``labels=`` loss on the batch is the pipeline's."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeclock import schedule
+
+    stages = hf.split(config, 0, 1, chunks=3, seed=2)
+    inputs, labels = padded_batch(5, 8, seed=1)
+    loss = schedule.Pipeline(stages, "interleaved-1f1b", 2, hf.loss()).evaluate(inputs, labels)
+    state = {name: t for stage in stages for name, t in stage.state_dict().items()}
+    hf.save_pretrained(state, config, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
+    ids, mask = inputs
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert loss == pytest.approx(want, rel=1e-6)
 
 
 # --- a model's own tokenizer ---------------------------------------------------------------------------

@@ -3,12 +3,16 @@
     from pipeclock.models import hf
     chunks = hf.split(LlamaConfig(...), stage=rank, num_stages=world)        # random weights, by name
     chunks = hf.split("path/to/from_pretrained_dir", stage=rank, num_stages=world)
-    pipe = schedule.Pipeline(chunks, "1f1b", 8, hf.loss())                 # HF's labels= loss
+    pipe = schedule.Pipeline(chunks, "1f1b", 8, hf.loss(config))           # HF's labels= loss
     pipe.step((input_ids, attention_mask), labels)
+    hf.save_pretrained(chunks, config, "out")                              # every rank; the first writes
 
 A model is ``layers + 2`` pieces (embedding, each decoder layer, final norm with the head), found from
 the model itself (`structure`); a rank builds only its own (`build`), and each stage runs the model's own
 code around its pieces (`stage`). Parameter names are HF's; a tied head is declared with ``tie``.
+Random numbers are keyed so that they do not depend on the cut (`randomness`); a mixture of experts'
+auxiliary loss is gathered across stages (`routers`). Which families are exact and which are refused,
+and why, is in docs/hf/families.md.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.hf.build import (
     MIN_BYTE_VOCABULARY,
     build_stages,
-    keyed_dropout,
     load_weights,
     meta_model,
     prepared_config,
     stage_cut,
 )
+from pipeclock.models.hf.export import save_pretrained
+from pipeclock.models.hf.randomness import keyed, keyed_dropout
+from pipeclock.models.hf.routers import WithRouterLoss
 from pipeclock.models.hf.stage import HFStage
 from pipeclock.models.hf.structure import Layout, NotUnderstood, find_layout
 from pipeclock.models.split import PlacementLike, resolve_placement, virtual_stages
@@ -38,17 +44,27 @@ __all__ = [
     "Layout",
     "NotUnderstood",
     "config_of",
+    "keyed",
     "keyed_dropout",
     "layout_of",
     "load_weights",
     "loss",
+    "save_pretrained",
     "split",
     "whole",
 ]
 
 
-def loss() -> TokenCrossEntropy:
-    """HF's ``labels=`` loss: logits at t predict the label at t + 1; -100 is ignored; token mean."""
+def loss(config=None) -> TokenCrossEntropy:
+    """HF's ``labels=`` loss: logits at t predict the label at t + 1; -100 is ignored; token mean.
+
+    Given the model's config (or model, or directory) with ``output_router_logits`` set, the routers'
+    auxiliary loss is added as the family adds it (``router_aux_loss_coef`` times it, `routers`).
+    """
+    if config is not None:
+        config = config_of(config)
+        if getattr(config, "output_router_logits", False):
+            return WithRouterLoss(float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0))
     return TokenCrossEntropy(shift=True)
 
 

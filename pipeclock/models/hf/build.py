@@ -6,16 +6,19 @@ generator seeded by (seed, the module's name) alone, so any split equals the one
 same way (`whole`). Weights from a local ``from_pretrained`` directory are read tensor by tensor, by name:
 a rank opens the safetensors files but reads only its own tensors.
 
-Random numbers: every ``nn.Dropout`` becomes a ``KeyedDropout`` keyed by its module's name, so dropout
-does not depend on the cut. Attention dropout (on attention probabilities, drawn inside the attention
-kernel from the global generator) cannot be made exact: it is turned off, with a one-line warning.
+Tensors the family's ``_init_weights`` leaves alone (a constant a module's constructor sets, as Apertus's
+activation does for its ``beta``) are found (they are NaN after it ran) and copied from the piece built
+again, alone, by its constructor: the values ``transformers`` gives when it builds the model for real.
+
+Random numbers are keyed by (seed, step, sample, layer) (`randomness`), so they do not depend on the
+cut. Attention dropout (on attention probabilities, drawn inside the attention kernel from the global
+generator) cannot be made exact: it is turned off, with a one-line warning.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
-import zlib
 from collections.abc import Sequence
 from contextlib import contextmanager
 from itertools import pairwise
@@ -24,19 +27,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie
+from pipeclock.models.hf.randomness import keyed, name_key
+from pipeclock.models.hf.routers import RouterLogits
 from pipeclock.models.hf.stage import HFStage
-from pipeclock.models.hf.structure import Layout, NotUnderstood, check_causal
+from pipeclock.models.hf.structure import Layout, NotUnderstood
 
 ATTENTION_DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 MIN_BYTE_VOCABULARY = 256
 
 
 def prepared_config(config):
-    """A copy of ``config`` for pipelined training: no KV cache, attention dropout off (warned)."""
-    check_causal(config)
+    """A copy of ``config`` for pipelined training: no KV cache, attention dropout off (warned).
+
+    The config of an encoder-decoder family (BART, Whisper ...) becomes what ``AutoModelForCausalLM``
+    makes of it: its decoder alone, a causal LM (refused when the family has none)."""
     config = copy_config(config)
+    if getattr(config, "is_encoder_decoder", False):
+        config = copy_config(_causal_lm(config).config)
     config.use_cache = False
     for field in ATTENTION_DROPOUT_FIELDS:
         value = getattr(config, field, None)
@@ -56,37 +64,31 @@ def copy_config(config):
 
 def meta_model(config, seed: int = 0) -> nn.Module:
     """The whole ``*ForCausalLM`` of ``config`` on the meta device: its structure, no memory."""
+    return keyed(_causal_lm(config), seed)
+
+
+def _causal_lm(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except ValueError as error:
         if "Unrecognized configuration class" not in str(error):
             raise
+        if getattr(config, "is_encoder_decoder", False):
+            raise NotUnderstood(
+                f"{type(config).__name__} describes an encoder-decoder model without a causal LM of its "
+                "decoder: pipeclock.models.hf splits decoder-only causal language models"
+            ) from None
         raise NotUnderstood(
             f"{type(config).__name__} is not a causal language model "
             "(AutoModelForCausalLM has no class for it)"
         ) from None
-    return keyed_dropout(model, seed)
-
-
-def keyed_dropout(model: nn.Module, seed: int) -> nn.Module:
-    """Every ``nn.Dropout`` of ``model`` becomes a ``KeyedDropout`` keyed by its module name; in place."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Dropout):
-                full = f"{name}.{child_name}" if name else child_name
-                setattr(module, child_name, KeyedDropout(child.p, layer=_name_key(full), seed=seed))
-    return model
-
-
-def _name_key(name: str) -> int:
-    return zlib.crc32(name.encode())
 
 
 def _module_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + _name_key(name)) % (2**63)
+    return (seed * 1_000_003 + name_key(name)) % (2**63)
 
 
 @contextmanager
@@ -100,10 +102,17 @@ def _cpu_generator_kept():
 
 
 def _init_module(model: nn.Module, module: nn.Module, seed: int, name: str) -> None:
-    """The family's own init of ``module``, drawing from the CPU generator seeded by (seed, name) alone."""
+    """The family's own init of ``module``, drawing from the CPU generator seeded by (seed, name) alone:
+    the ``_init_weights`` of the innermost pretrained model holding it, as ``transformers`` dispatches."""
     torch.default_generator.manual_seed(_module_seed(seed, name))
+    owner = model
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        inner = model.get_submodule(".".join(parts[:depth]))
+        if callable(getattr(inner, "_init_weights", None)) and hasattr(inner, "config"):
+            owner = inner
     with torch.no_grad():
-        model._init_weights(module)
+        owner._init_weights(module)
 
 
 def stage_cut(layout: Layout, num_virtual: int, balance: Sequence | None) -> list[range]:
@@ -140,10 +149,8 @@ def build_stages(
     weights: str | Path | None = None,
 ) -> list[HFStage]:
     """The stages ``virtual`` of the meta ``model`` cut by ``cut``, with memory for their pieces only."""
-    keep = [
-        n for n, c in getattr(model, layout.base).named_children() if not any(True for _ in c.parameters())
-    ]
-    stages = [HFStage(model, layout, cut[v], keep) for v in virtual]
+    routers = RouterLogits(getattr(model, layout.base.split(".")[0]), model.config)
+    stages = [HFStage(model, layout, cut[v], routers) for v in virtual]
     with _cpu_generator_kept():
         for stage in stages:
             _materialize(stage, model, seed)
@@ -159,9 +166,75 @@ def _materialize(stage: HFStage, model: nn.Module, seed: int) -> None:
     for _, module in modules:
         if _has_meta(module):
             module.to_empty(device="cpu", recurse=False)
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if tensor.is_floating_point():
+                    tensor.data.fill_(float("nan"))  # what the family's init leaves alone stays NaN
     for name, module in reversed(modules):  # children before parents, as nn.Module.apply
         if name and not _is_bare_container(module):
             _init_module(model, module, seed, name)
+    _constructed_values(stage, model)
+
+
+def _constructed_values(stage: HFStage, model: nn.Module) -> None:
+    """Tensors the family's init did not set (NaN, or not floating) take what the constructor gives
+    them: of their decoder layer, built again alone on the CPU (one at a time), or of their own module."""
+    layers = stage._held_layers()
+    in_layers = set()
+    for index, layer in layers.items():
+        unset = [name for name, t in _tensors(layer) if _unset(t)]
+        in_layers.update(id(t) for _, t in _tensors(layer))
+        if unset:
+            _copy_from_constructor(layer, model.config, unset, int(index))
+    for _, module in stage.named_modules():
+        own = [(n, t) for n, t in _tensors(module, recurse=False) if id(t) not in in_layers]
+        unset = [n for n, t in own if _unset(t)]
+        if unset:  # a constant the model's own modules compute (a mask, a scale): built with one layer
+            _copy_from_constructor(module, _one_layer(model.config), unset)
+
+
+def _one_layer(config):
+    """A copy of ``config`` with one decoder layer: to build a module that holds the layer list cheaply."""
+    config = copy_config(config)
+    if isinstance(getattr(config, "num_hidden_layers", None), int):
+        config.num_hidden_layers = 1
+    return config
+
+
+def _unset(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(tensor.isnan().any())
+
+
+def _tensors(module: nn.Module, recurse: bool = True) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+
+
+def _copy_from_constructor(module: nn.Module, config, names: list[str], index: int | None = None) -> None:
+    built = _construct(type(module), config, index)
+    found = dict(_tensors(built)) if built is not None else {}
+    own = dict(_tensors(module, recurse=index is not None))
+    missing = [n for n in names if n not in found or found[n].shape != own[n].shape]
+    if missing:
+        where = type(module).__name__ + ("" if index is None else f" {index}")
+        raise NotUnderstood(
+            f"{where}: {', '.join(missing)} set neither by the family's _init_weights nor by "
+            "building the module again from its config"
+        )
+    with torch.no_grad():
+        for name in names:
+            own[name].copy_(found[name])
+
+
+def _construct(cls: type, config, index: int | None) -> nn.Module | None:
+    """``cls`` built on the CPU the ways a model builds its modules: (config, layer_idx), (config)."""
+    tries = [((config,), {"layer_idx": index}), ((config, index), {})] if index is not None else []
+    tries += [((config,), {}), ((), {"config": config})]
+    for args, kwargs in tries:
+        try:
+            with torch.device("cpu"):
+                return cls(*args, **kwargs)
+        except (TypeError, AttributeError):
+            continue
+    return None
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -187,7 +260,7 @@ def _tie(stages: list[HFStage], model: nn.Module, layout: Layout, seed: int) -> 
     if embedding is not None:
         head.weight = embedding.weight
         return
-    source = getattr(getattr(model, layout.base), layout.input_embedding)
+    source = getattr(layout.base_of(model), layout.input_embedding)
     source.to_empty(device="cpu", recurse=False)
     _init_module(model, source, seed, f"{layout.base}.{layout.input_embedding}")
     head.weight = tie(nn.Parameter(source.weight.detach().clone()), key)
