@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -164,6 +166,46 @@ def test_a_final_norm_without_weights_is_run_so_the_exported_model_gives_the_pip
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
     assert loss == pytest.approx(want, rel=1e-6)
+
+
+# --- what train --model hf prints -------------------------------------------------------------------
+
+
+def bigram_line(args: list[str], capsys) -> str:
+    from pipeclock.cli.dispatch import main
+
+    assert main(["train", *args]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "bigram byte model" in line]
+    assert len(lines) == 1
+    return lines[0].split(": ")[-1]
+
+
+def test_the_bigram_baseline_of_an_hf_run_scores_each_byte_against_the_next_as_the_gpts(tmp_path, capsys):
+    """The figure ``train --model hf`` prints beside its validation is the bigram byte model's bits per
+    byte on the validation text's (byte, next byte) pairs: computed here from counts of the training
+    split's pairs, and the same as ``train --model gpt`` prints on the same corpus."""
+    from pipeclock.models.text import TextCorpus
+
+    text = Path(json.__file__).read_text()
+    (tmp_path / "corpus.txt").write_text(text)
+    llama_config(layers=2).save_pretrained(str(tmp_path / "llama"))
+    common = ["--data", str(tmp_path / "corpus.txt"), "--steps", "1", "--batch-size", "4", "--seq-len", "16",
+              "--eval-batches", "3", "--microbatches", "2"]  # fmt: skip
+    hf_figure = bigram_line(["--model", "hf", "--hf-config", str(tmp_path / "llama"), *common], capsys)
+    gpt = ["--model", "gpt", "--dim", "16", "--layers", "2", "--heads", "2"]
+    gpt_figure = bigram_line([*gpt, *common], capsys)
+
+    corpus = TextCorpus.from_path(tmp_path / "corpus.txt")
+    train = corpus.train.tolist()
+    counts = torch.ones(256, 256, dtype=torch.float64)  # add-one smoothing
+    for previous, following in itertools.pairwise(train):
+        counts[previous, following] += 1
+    bits = []
+    for inputs, targets in corpus.validation_batches(4, 16, 3):
+        assert torch.equal(targets[:, :-1], inputs[:, 1:]), "each target is the byte after its input"
+        for previous, following in zip(inputs.flatten().tolist(), targets.flatten().tolist(), strict=True):
+            bits.append(-math.log2(counts[previous, following] / counts[previous].sum()))
+    assert hf_figure == gpt_figure == f"{sum(bits) / len(bits):.3f} bits/byte"
 
 
 # --- a model's own tokenizer ---------------------------------------------------------------------------

@@ -67,9 +67,8 @@ def _write(state: dict[str, torch.Tensor], config, output: Path) -> Path:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(state, strict=True, assign=True)
-    if (
-        model.get_output_embeddings().weight is not model.get_input_embeddings().weight
-        and getattr(config, "tie_word_embeddings", False)
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight and getattr(
+        config, "tie_word_embeddings", False
     ):
         model.tie_weights()
     model.save_pretrained(str(output))
