@@ -7,8 +7,9 @@ weight gradients (one ``addmm_`` into ``.grad`` for an ``nn.Linear``, autograd f
 that W follows at once is split only where that pays (``in_place_pays``), else it is one autograd call
 with no hook. Inside a checkpointed block a block is rebuilt once per micro-batch, not once per call;
 under autocast a weight gradient is computed as autograd would. A module whose weights cannot be left
-to W (its output not one tensor, changed in place, or never called: its weights read directly) has
-them computed by B, in the same autograd call. Why, in detail: docs/engine.md.
+to W (its output not one tensor, changed in place, never called (its weights read directly), or one of
+its parameters held by another module too) has them computed by B, in the same autograd call. Why, in
+detail: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class ParameterOutputs:
             for top in modules
         }
         owners = [module for top in modules for module in self._owners[id(top)]]
+        self._sharing = _sharing_a_parameter(owners)
         # True when some module's W must go back through autograd
         self.keeps_graph = any(not plain_linear(m) and m not in self._recomputed for m in owners)
         self.split_pays = in_place_pays(owners)  # a backward W follows at once is better split
@@ -137,7 +139,7 @@ class ParameterOutputs:
             return
         if self._captured is None:
             return
-        if not isinstance(output, torch.Tensor):
+        if not isinstance(output, torch.Tensor) or module in self._sharing:
             self._captured.append(Captured(module, None, None, 0, in_input_backward=True))
             return
         if not output.requires_grad:  # computed without a gradient (no_grad, or from nothing that needs one)
@@ -192,6 +194,16 @@ class ParameterOutputs:
             yield
         finally:
             self._rebuilding = None
+
+
+def _sharing_a_parameter(owners: list[nn.Module]) -> set[nn.Module]:
+    """The modules holding a parameter that another module holds too (BERT's decoder bias): each W
+    would add its gradient, so B takes it, once."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in owners:
+        for parameter in module.parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append(module)
+    return {module for found in holders.values() if len(found) > 1 for module in found}
 
 
 def _collect_rebuilt(item: Captured, args: tuple) -> None:
