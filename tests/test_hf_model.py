@@ -168,6 +168,75 @@ def test_a_final_norm_without_weights_is_run_so_the_exported_model_gives_the_pip
     assert loss == pytest.approx(want, rel=1e-6)
 
 
+def test_constants_the_familys_init_leaves_alone_are_the_constructors():
+    """Apertus's xIELU activation sets its ``beta`` and ``eps`` buffers and its two parameters in its
+    constructor, which ``_init_weights`` does not touch: every split holds the values ``transformers``
+    gives when it builds the model for real (they were whatever memory held before)."""
+    from transformers import ApertusConfig, AutoModelForCausalLM
+
+    config = ApertusConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=300)  # fmt: skip
+    real = {**dict(AutoModelForCausalLM.from_config(config).named_parameters()),
+            **dict(AutoModelForCausalLM.from_config(config).named_buffers())}  # fmt: skip
+    constants = [name for name in real if ".act_fn." in name]
+    assert len(constants) == 4 * 3
+    for stage in range(3):
+        built = hf.split(config, stage, 3, seed=stage)
+        held = {**dict(built.named_parameters()), **dict(built.named_buffers())}
+        for name in constants:
+            if name in held:
+                assert torch.equal(held[name], real[name]), name
+
+
+def test_a_bfloat16_checkpoint_trains_float32_master_weights_and_says_so(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(layers=2)
+    config.dtype = "bfloat16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    with pytest.warns(UserWarning, match="weights stored as bfloat16 are trained as float32 master weights"):
+        stages = hf.split(str(tmp_path), 0, 1)
+    stored = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).state_dict()
+    for name, parameter in stages.named_parameters():
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, stored[name].float()), name
+
+
+def moe_families():
+    """Mixtral and Qwen3-MoE: experts fused in memory (one gate_up_proj for all), per expert on disk."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, num_experts_per_tok=2)  # fmt: skip
+    return [MixtralConfig(**sizes, num_local_experts=4), Qwen3MoeConfig(**sizes, num_experts=4,
+                                                                       moe_intermediate_size=16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", moe_families(), ids=lambda c: type(c).__name__)
+def test_a_mixture_of_experts_reads_back_from_save_pretrained_and_from_its_own_export(config, tmp_path):
+    """Each of 3 ranks reads its experts from the per-expert tensors transformers writes, fused as
+    transformers fuses them; the stages written by ``hf.save_pretrained`` read back the same."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(tmp_path / "saved"))
+    state = model.state_dict()
+    stages = [hf.split(str(tmp_path / "saved"), rank, 3) for rank in range(3)]
+    assert any("experts.gate_up_proj" in name for stage in stages for name, _ in stage.named_parameters())
+    for stage in stages:
+        for name, parameter in stage.named_parameters():
+            assert torch.equal(parameter, state[name]), name
+    hf.save_pretrained(stages, config, tmp_path / "exported")
+    read = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), local_files_only=True)
+    assert all(torch.equal(tensor, state[name]) for name, tensor in read.state_dict().items())
+    for rank in range(3):
+        for name, parameter in hf.split(str(tmp_path / "exported"), rank, 3).named_parameters():
+            assert torch.equal(parameter, state[name]), name
+
+
 # --- what train --model hf prints -------------------------------------------------------------------
 
 

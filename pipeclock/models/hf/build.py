@@ -17,7 +17,6 @@ generator) cannot be made exact: it is turned off, with a one-line warning.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from pipeclock.models.hf.randomness import keyed, name_key
 from pipeclock.models.hf.routers import RouterLogits
 from pipeclock.models.hf.stage import HFStage
 from pipeclock.models.hf.structure import Layout, NotUnderstood
+from pipeclock.models.hf.weights import load_weights
 
 ATTENTION_DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 MIN_BYTE_VOCABULARY = 256
@@ -43,6 +43,7 @@ def prepared_config(config):
     The config of an encoder-decoder family (BART, Whisper ...) becomes what ``AutoModelForCausalLM``
     makes of it: its decoder alone, a causal LM (refused when the family has none)."""
     config = copy_config(config)
+    _train_in_float32(config)
     if getattr(config, "is_encoder_decoder", False):
         config = copy_config(_causal_lm(config).config)
     config.use_cache = False
@@ -56,6 +57,21 @@ def prepared_config(config):
             )
             setattr(config, field, 0.0)
     return config
+
+
+def _train_in_float32(config) -> None:
+    """Weights stored in another dtype (a bfloat16 checkpoint) are trained as float32 master weights,
+    as ``--dtype fp32`` says, and the conversion is said (``--dtype bf16`` computes in bfloat16 over
+    them)."""
+    stored = getattr(config, "dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else "float32"
+    if name != "float32":
+        warnings.warn(
+            f"{type(config).__name__}: weights stored as {name} are trained as float32 master weights "
+            "(--dtype bf16 computes in bfloat16 over them)",
+            stacklevel=4,
+        )
+    config.dtype = torch.float32
 
 
 def copy_config(config):
@@ -72,7 +88,7 @@ def _causal_lm(config) -> nn.Module:
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as error:
         if "Unrecognized configuration class" not in str(error):
             raise
@@ -156,13 +172,14 @@ def build_stages(
             _materialize(stage, model, seed)
         _tie(stages, model, layout, seed)
     if weights is not None:
-        load_weights(stages, weights)
+        load_weights(stages, weights, model)
     return stages
 
 
 def _materialize(stage: HFStage, model: nn.Module, seed: int) -> None:
     """Give the stage's meta tensors memory and the family's initial values, each module from its name."""
     modules = list(stage.named_modules())
+    shared = _shared_parameters(stage)
     for _, module in modules:
         if _has_meta(module):
             module.to_empty(device="cpu", recurse=False)
@@ -172,7 +189,20 @@ def _materialize(stage: HFStage, model: nn.Module, seed: int) -> None:
     for name, module in reversed(modules):  # children before parents, as nn.Module.apply
         if name and not _is_bare_container(module):
             _init_module(model, module, seed, name)
+    for first, *others in shared:  # one parameter in two places (BERT's decoder bias): one again
+        for module, name in others:
+            setattr(module, name, getattr(first[0], first[1]))
     _constructed_values(stage, model)
+
+
+def _shared_parameters(stage: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Where each parameter held in more than one place is held: (module, attribute) lists."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in stage.named_modules(remove_duplicate=False):
+        for name, parameter in module._parameters.items():
+            if parameter is not None and (module, name) not in places.get(id(parameter), []):
+                places.setdefault(id(parameter), []).append((module, name))
+    return [where for where in places.values() if len(where) > 1]
 
 
 def _constructed_values(stage: HFStage, model: nn.Module) -> None:
@@ -251,8 +281,8 @@ def _tie(stages: list[HFStage], model: nn.Module, layout: Layout, seed: int) -> 
     if not layout.tied:
         return
     key = layout.embedding_weight()
-    embedding = next((getattr(s._base(), layout.input_embedding) for s in stages if s.has_embedding), None)
-    head = next((getattr(s, layout.head) for s in stages if s.has_head), None)
+    embedding = next((s.get_submodule(layout.input_embedding) for s in stages if s.has_embedding), None)
+    head = next((s.get_submodule(layout.head) for s in stages if s.has_head), None)
     if embedding is not None:
         tie(embedding.weight, key)
     if head is None:
@@ -260,57 +290,8 @@ def _tie(stages: list[HFStage], model: nn.Module, layout: Layout, seed: int) -> 
     if embedding is not None:
         head.weight = embedding.weight
         return
-    source = getattr(layout.base_of(model), layout.input_embedding)
+    source = model.get_submodule(layout.input_embedding)
     source.to_empty(device="cpu", recurse=False)
-    _init_module(model, source, seed, f"{layout.base}.{layout.input_embedding}")
+    _init_module(model, source, seed, layout.input_embedding)
     head.weight = tie(nn.Parameter(source.weight.detach().clone()), key)
     source.to_empty(device="meta", recurse=False)
-
-
-# --- weights from a local from_pretrained directory ----------------------------------------------------
-
-
-def weight_files(directory: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor name (the index's map, or every name of the one file)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        mapping = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in mapping.items()}
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"{directory} holds no weights (model.safetensors or model.safetensors.index.json)"
-        )
-    from safetensors import safe_open
-
-    with safe_open(str(single), "pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
-
-
-def load_weights(stages: Sequence[nn.Module], directory: str | Path) -> None:
-    """Copy each of the stages' parameters from the directory's safetensors, reading only those tensors."""
-    from safetensors import safe_open
-
-    from pipeclock.engine.ties import tie_key
-
-    files = weight_files(Path(directory))
-    wanted: dict[Path, list[tuple[str, torch.Tensor]]] = {}
-    for stage in stages:
-        for name, parameter in stage.named_parameters():
-            stored = _stored_name(tie_key(parameter) or name, files, directory)
-            wanted.setdefault(files[stored], []).append((stored, parameter))
-    with torch.no_grad():
-        for file, tensors in wanted.items():
-            with safe_open(str(file), "pt") as handle:
-                for stored, parameter in tensors:
-                    parameter.copy_(handle.get_tensor(stored))
-
-
-def _stored_name(name: str, files: dict[str, Path], directory) -> str:
-    """The name a checkpoint stores a parameter under (older files drop the base model's prefix)."""
-    if name in files:
-        return name
-    bare = name.split(".", 1)[1] if "." in name else name
-    if bare in files:
-        return bare
-    raise KeyError(f"{directory} has no tensor {name}")

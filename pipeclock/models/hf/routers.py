@@ -35,6 +35,8 @@ class WithRouterLoss(TokenCrossEntropy):
         self.coefficient = coefficient
 
     def __call__(self, output, targets: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, torch.Tensor):  # the family computed no auxiliary loss for this batch
+            return super().__call__(output, targets)
         logits, aux_loss = output
         tokens = super().__call__(logits, targets)
         return tokens + self.coefficient * aux_loss.to(tokens.dtype) * self.count(targets)
@@ -86,10 +88,9 @@ class RouterLogits:
         self, received: torch.Tensor | None, collected: list[torch.Tensor], batch: int
     ) -> torch.Tensor | None:
         """The logits so far as one message, ``(batch, layers, tokens, experts)``, or None when unused."""
-        if not self.aux_loss:
-            return None
         mine = [logits.reshape(batch, 1, -1, logits.shape[-1]) for logits in collected]
-        return torch.cat(([received] if received is not None else []) + mine, dim=1)
+        so_far = ([received] if received is not None else []) + mine
+        return torch.cat(so_far, dim=1) if self.aux_loss and so_far else None
 
     @staticmethod
     def unpack(message: torch.Tensor | None) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pipeclock.models.hf.routers import RouterLogits
-from pipeclock.models.hf.structure import Layout, holds_parameters
+from pipeclock.models.hf.structure import Layout
 
 HIDDEN = "hidden"  # the message's key for a layer output that is one tensor
 OUTPUT = "output"  # the message's keys for a tuple output's tensors: output0of2, output1of2 ...
@@ -54,7 +54,7 @@ class _Run:
     """What one forward of a stage knows: what it received, and the routers' logits it collects."""
 
     received: object = None  # the previous stage's last layer output (or the first layer's input)
-    into_first_layer: bool = False  # ``received`` is the input of this stage's first layer
+    placed: bool = True  # ``received`` is in the model's forward (nothing to place on the first stage)
     routers: torch.Tensor | None = None  # the routers' logits of the layers before this stage's
     collected: list[torch.Tensor] = field(default_factory=list)  # this stage's layers' router logits
 
@@ -104,13 +104,24 @@ class HeldLayers(nn.ModuleDict):
 
 class _Absent(nn.Module):
     """A module with parameters held by another stage, run before the layers: an embedding gives NaN of
-    its output's shape, anything else its input (their values are never used here)."""
+    its output's shape (``width`` wide), anything else its input (their values are never used here).
+    Its parameters read as tensors of their shape and dtype on the stage's device, holding no memory,
+    for a forward that reads their device (Llama 4 moves the ids to the embedding's)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, width: int | None, stage: nn.Module):
         super().__init__()
-        embedding = isinstance(module, nn.Embedding)
-        self.width = module.embedding_dim if embedding else None
-        self.dtype = module.weight.dtype if embedding else None
+        self.width = module.embedding_dim if isinstance(module, nn.Embedding) else width
+        self.dtype = next(module.parameters()).dtype
+        self.shapes = {n: (p.shape, p.dtype) for n, p in module.named_parameters(recurse=False)}
+        object.__setattr__(self, "_stage", stage)
+
+    def __getattr__(self, name: str):
+        shapes = self.__dict__.get("shapes", {})
+        if name not in shapes:
+            return super().__getattr__(name)
+        shape, dtype = shapes[name]
+        device = next((p.device for p in self._stage.parameters()), torch.device("cpu"))
+        return torch.empty((), dtype=dtype, device=device).expand(shape)
 
     def forward(self, *args, **kwargs):
         given = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
@@ -155,49 +166,43 @@ class HFStage(nn.Module):
         self.routers = routers
         self.embedding_dim = causal_lm.get_input_embeddings().embedding_dim
         path = layout.base.split(".")
-        self.add_module(path[0], self._own_tree(causal_lm, path))
+        self.add_module(path[0], self._own_tree(getattr(causal_lm, path[0]), path[0], path[1:]))
         for name, buffer in causal_lm.named_buffers(recurse=False):  # a constant of the head
             self.register_buffer(name, buffer, persistent=name not in causal_lm._non_persistent_buffers_set)
-        for name, child in causal_lm.named_children():  # without parameters (a soft cap of the logits)
-            if name not in (path[0], layout.head):
+        for name, child in causal_lm.named_children():  # the head, and modules without parameters
+            if name != path[0] and (self.has_head or name not in layout.head_side):
                 self.add_module(name, child)
-        if self.has_head:
-            self.add_module(layout.head, getattr(causal_lm, layout.head))
         self._run = _Run()
         object.__setattr__(self, "_runner", self._runner_tree(causal_lm, path))
 
     # --- what this stage holds, under the model's own names ---------------------------------------------
 
-    def _own_tree(self, parent: nn.Module, path: list[str]) -> nn.Module:
-        """The modules under ``path`` this stage holds: the chain of bases, and in the last one its own
-        pieces and every module without parameters."""
-        module = getattr(parent, path[0])
-        if len(path) > 1:
-            children = {n: c for n, c in module.named_children() if not holds_parameters(c)}
-            return _shallow(module, {**children, path[1]: self._own_tree(module, path[1:])})
+    def _own_tree(self, module: nn.Module, prefix: str, down: list[str]) -> nn.Module:
+        """What this stage holds of ``module`` (at ``prefix``; ``down``: the way to the layer list): the
+        way down, its own pieces, and every module without parameters."""
         layout, own = self.layout, {}
-        parameters = {n: p for n, p in module.named_parameters(recurse=False) if self._holds(n)}
         for name, child in module.named_children():
-            if name == layout.layers:
+            full = f"{prefix}.{name}"
+            if down and name == down[0]:
+                own[name] = self._own_tree(child, full, down[1:])
+            elif not down and name == layout.layers:
                 own[name] = HeldLayers({str(i): child[i] for i in self.layer_indices})
-            elif name in layout.embeddings:
-                if self.has_embedding:
-                    own[name] = child
-            elif name in layout.after:
-                if self.has_head:
+            elif full in layout.embeddings or full in layout.after:
+                if self._holds(full):
                     own[name] = child
             else:  # without parameters: a rotary embedding, a norm without weights, dropout
                 own[name] = child
-        held = _shallow(module, own, parameters)
+        mine = {n: p for n, p in module.named_parameters(recurse=False) if self._holds(f"{prefix}.{n}")}
+        held = _shallow(module, own, mine)
         for name, parameter in module.named_parameters(recurse=False):
-            if name not in parameters:  # held elsewhere: the family's init may still write to it
+            if name not in mine:  # held elsewhere: the family's init may still write to it
                 object.__setattr__(held, name, torch.empty(parameter.shape, device="meta"))
         return held
 
-    def _holds(self, name: str) -> bool:
-        """Whether this stage holds the base's module or parameter ``name`` (run before or after the
-        layers)."""
-        return self.has_embedding if name in self.layout.embeddings else self.has_head
+    def _holds(self, path: str) -> bool:
+        """Whether this stage holds what runs before the layers (``path`` among the embeddings) or
+        after them."""
+        return self.has_embedding if path in self.layout.embeddings else self.has_head
 
     def _base(self) -> nn.Module:
         return self.layout.base_of(self)
@@ -215,60 +220,64 @@ class HFStage(nn.Module):
 
     def _runner_tree(self, causal_lm: nn.Module, path: list[str]) -> nn.Module:
         """The CausalLM with this stage's modules, slots for the layers, stand-ins for what it lacks."""
-        held = self._base()
-        top = {self.layout.head: getattr(self, self.layout.head) if self.has_head else nn.Identity()}
-        chain = [causal_lm]
-        for name in path:
-            chain.append(getattr(chain[-1], name))
-        runner = self._runner_base(chain[-1], held)
-        for depth in range(len(path) - 1, 0, -1):
-            parent, mine = chain[depth], self.get_submodule(".".join(path[:depth]))
-            children = {n: c for n, c in mine.named_children() if n != path[depth]}
-            runner = _over(parent, mine, {**children, path[depth]: runner})
+        top = {n: getattr(self, n) if self.has_head else nn.Identity() for n in self.layout.head_side}
+        held = getattr(self, path[0])
+        runner = self._runner_of(getattr(causal_lm, path[0]), path[0], path[1:], held)
         if self.routers.aux_loss and self.has_head:
             runner = _WithRouters(runner, self)
-        top.update((n, c) for n, c in self.named_children() if n not in (path[0], self.layout.head))
+        top.update((n, c) for n, c in self.named_children() if n != path[0] and n not in top)
         return _over(causal_lm, self, {**top, path[0]: runner})
 
-    def _runner_base(self, base: nn.Module, held: nn.Module) -> nn.Module:
+    def _runner_of(self, module: nn.Module, prefix: str, down: list[str], held: nn.Module) -> nn.Module:
         layout, children = self.layout, {}
-        layers = getattr(base, layout.layers)
-        for name, child in base.named_children():
-            if name == layout.layers:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}"
+            if down and name == down[0]:
+                children[name] = self._runner_of(child, full, down[1:], getattr(held, name))
+            elif not down and name == layout.layers:
                 mine = dict(self._held_layers().items())
                 children[name] = nn.ModuleList(
-                    _Slot(i, mine.get(str(i), meta), self) for i, meta in enumerate(layers)
+                    _Slot(i, mine.get(str(i), meta), self) for i, meta in enumerate(child)
                 )
-            elif name in layout.embeddings:
-                children[name] = getattr(held, name) if self.has_embedding else _Absent(child)
-            elif name in layout.after:
-                children[name] = getattr(held, name) if self.has_head else nn.Identity()
+            elif full in layout.embeddings and not self.has_embedding:
+                embeds = isinstance(child, nn.Embedding) or layout.input_embedding.startswith(f"{full}.")
+                children[name] = _Absent(child, self.embedding_dim if embeds else None, self)
+            elif full in layout.after and not self.has_head:
+                children[name] = nn.Identity()
             else:
                 children[name] = getattr(held, name)
-        runner = _over(base, held, children)
-        for name, parameter in base.named_parameters(recurse=False):
-            if not self._holds(name):  # read only on the way to a slot whose value is never used
+        runner = _over(module, held, children)
+        for name, parameter in module.named_parameters(recurse=False):
+            if not self._holds(f"{prefix}.{name}"):  # read only on the way to a slot whose value is unused
                 object.__setattr__(runner, name, torch.full(parameter.shape, float("nan")))
         return runner
 
     def _slot(self, index: int, args: tuple, kwargs: dict):
+        """Layer ``index``'s call in the model's forward. What this stage received stands for what the
+        layers before its own made: the output of the layer before (its slot returns it), or, when
+        LayerDrop skipped that one (or it came from the embedding's stage), the input of the first layer
+        this stage runs."""
         run, mine = self._run, self.layer_indices
         if index in mine:
-            if index == mine[0] and run.into_first_layer:
+            if not run.placed:
                 args, kwargs = _with_hidden(args, kwargs, run.received)
+                run.placed = True
             output = self._held_layers()[str(index)](*args, **kwargs)
             if index == mine[-1] and not self.has_head:
                 raise _Stop(output)
             return output
-        if self.has_embedding and not self.has_head:  # the embedding's stage alone: layer 0's input
-            raise _Stop(_hidden_of(args, kwargs))
+        if not self.has_head and index > (mine[-1] if mine else -1):
+            # past this stage's layers (its last ones skipped by LayerDrop; the embedding's stage alone):
+            # the hidden states the next layer is given
+            raise _Stop(_hidden_of(args, kwargs) if run.placed else run.received)
+        run.placed = True
         return run.received  # a layer before this stage's: its output, as received
 
     # --- running ----------------------------------------------------------------------------------------
 
     def forward(self, inputs):
         ids, received, mask, routers = _unpack(inputs, self.has_embedding)
-        self._run = run = _Run(received, self.pieces.start == 1, routers)
+        self._run = run = _Run(received, self.has_embedding, routers)
         given = {IDS: ids} if ids is not None else {"inputs_embeds": self._unknown(received)}
         try:
             with self.routers.collecting(self.decoder_layers(), run.collected):
@@ -277,9 +286,8 @@ class HFStage(nn.Module):
             return self._message(stop.output, ids, mask, run)
         finally:
             self._run = _Run()
-        if self.routers.aux_loss:
-            return out.logits, out.aux_loss
-        return out.logits
+        aux_loss = getattr(out, "aux_loss", None) if self.routers.aux_loss else None
+        return out.logits if aux_loss is None else (out.logits, aux_loss)
 
     def _message(self, output, ids: torch.Tensor | None, mask: torch.Tensor | None, run: _Run):
         """The layer output, with the token ids (layers of some families read them), the mask and the
@@ -295,7 +303,7 @@ class HFStage(nn.Module):
         values ``cache`` holds (a transformers ``Cache``, None on a stage without layers; its layers grow
         by ``n``) -> their hidden states, or their logits on the head's stage."""
         received = None if self.has_embedding else self._as_layer_output(inputs)
-        self._run = _Run(received, self.pieces.start == 1)
+        self._run = _Run(received, self.has_embedding)
         given = {"input_ids": inputs} if self.has_embedding else {"inputs_embeds": self._unknown(received)}
         prelude = {"position_ids": positions, "use_cache": cache is not None}
         if cache is not None:

@@ -8,11 +8,13 @@ Decoder-only ``*ForCausalLM`` models of ``transformers`` share one layout, whate
                                     (``get_input_embeddings()``, learned positions), BLOOM's embedding
                                     norm, OPT's input projection
         the decoder layers          a ModuleList, of ``_no_split_modules`` blocks where the family says
+                                    (under the module holding it: BERT's encoder)
         after the layers            modules with parameters its forward calls last: the final norm(s),
                                     OPT's output projection
         (rotary embedding, norms    modules without parameters: every stage keeps them, and runs them
          without weights, dropout)  where the model's own forward does
-      <head>                        ``get_output_embeddings()``: lm_head
+      <head>                        ``get_output_embeddings()``: lm_head, and whatever else the
+                                    CausalLM holds besides the base (BERT's prediction transform)
 
 Whether a module runs before or after the layers is read from the base's own ``forward`` (the first
 line that names it, against the first that names the layer list); an embedding always runs before.
@@ -35,31 +37,27 @@ class NotUnderstood(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each piece sits, by the attribute names of the model's own modules."""
+    """Where each piece sits, by the dotted paths of the model's own modules from the CausalLM."""
 
-    base: str  # the dotted path from the CausalLM to the module holding the layers: "model", "model.decoder"
+    base: str  # the module holding the layer list: "model", OPT's "model.decoder", BERT's "bert.encoder"
     layers: str  # the decoder ModuleList's attribute on the base: "layers", "h"
     num_layers: int
-    embeddings: tuple[str, ...]  # what the base runs before the layers and holds parameters: children
-    # ("embed_tokens") or its own parameters
-    input_embedding: str  # the token embedding among them: "embed_tokens", "wte"
-    after: tuple[str, ...]  # what the base runs after the layers and holds parameters: "norm"
-    head: str  # the LM head's attribute on the CausalLM: "lm_head"
+    embeddings: tuple[str, ...]  # what runs before the layers and holds parameters (modules or parameters,
+    # on the base or on the modules above it): "model.embed_tokens", BERT's "bert.embeddings"
+    input_embedding: str  # the token embedding: "model.embed_tokens", "transformer.wte"
+    after: tuple[str, ...]  # what runs after the layers and holds parameters: "model.norm"
+    head: str  # the output embedding: "lm_head", BERT's "cls.predictions.decoder"
     tied: bool  # the head's weight is the token embedding's
     tuple_outputs: bool = False  # the base model takes its layers' hidden states from a tuple they return
+    head_side: tuple[str, ...] = ()  # the CausalLM's children besides the base: "lm_head", BERT's "cls"
 
     @property
     def num_pieces(self) -> int:
         """The embedding, each layer, and the head (final norm included): ``layers + 2``."""
         return self.num_layers + 2
 
-    @property
-    def norm(self) -> str | None:
-        """The last module with parameters before the head (the final norm), if any."""
-        return self.after[-1] if self.after else None
-
     def embedding_weight(self) -> str:
-        return f"{self.base}.{self.input_embedding}.weight"
+        return f"{self.input_embedding}.weight"
 
     def base_of(self, causal_lm: nn.Module) -> nn.Module:
         """The module holding the layers, in ``causal_lm`` (or in a stage, which keeps the same path)."""
@@ -72,55 +70,81 @@ def find_layout(model: nn.Module) -> Layout:
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head_module is None:
         raise NotUnderstood(f"{name} is not a causal language model: it has no output embeddings (LM head)")
-    base_name = getattr(model, "base_model_prefix", "")
-    base = getattr(model, base_name, None) if base_name else None
-    if not isinstance(base, nn.Module):
-        raise NotUnderstood(f"{name} has no base model under its base_model_prefix {base_name!r}")
-    head = _child_name(model, head_module, f"{name}'s LM head", nested_hint=True)
-    _refuse_other_children(model, {base_name, head}, name)
-    path, holder = _layer_holder(base_name, base, name)
+    _refuse_encoder(model, name)
+    base_name, base = _base_model(model, name)
+    head = _path_of(model, head_module)
+    if head is None or head.split(".")[0] == base_name:
+        raise NotUnderstood(f"{name}'s LM head ({type(head_module).__name__}) is not outside its base model")
+    side = tuple(n for n, c in model.named_children() if n != base_name and holds_parameters(c))
+    if any(True for _ in model.parameters(recurse=False)):
+        raise NotUnderstood(f"{name} holds parameters of its own besides its base model and LM head")
+    chain = _chain_to_layers(base_name, base, name)
+    path, holder = chain[-1]
     layers = _decoder_layers(holder, model, name)
-    token_embedding = _child_name(holder, model.get_input_embeddings(), f"{name}'s input embeddings")
-    before, after = _before_and_after(holder, layers, token_embedding, name)
+    token_embedding = _path_of(model, model.get_input_embeddings())
+    if token_embedding is None or not token_embedding.startswith(f"{base_name}."):
+        raise NotUnderstood(f"{name}'s input embeddings are not in its base model")
+    before, after = _before_and_after(chain, layers, token_embedding, name)
     tied = getattr(head_module, "weight", None) is model.get_input_embeddings().weight
     count = len(getattr(holder, layers))
     indexed = _indexes_layer_outputs(type(holder), layers)
-    return Layout(path, layers, count, before, token_embedding, after, head, tied, indexed)
+    return Layout(path, layers, count, before, token_embedding, after, head, tied, indexed, side)
 
 
-def _child_name(parent: nn.Module, child: nn.Module, what: str, nested_hint: bool = False) -> str:
-    for child_name, module in parent.named_children():
-        if module is child:
-            return child_name
-    hint = " (an encoder model with a language-model head is not a causal LM)" if nested_hint else ""
-    raise NotUnderstood(
-        f"{what} ({type(child).__name__}) is not a direct child of {type(parent).__name__}{hint}"
-    )
+def _refuse_encoder(model: nn.Module, name: str) -> None:
+    """An encoder family whose CausalLM asks for ``is_decoder=True`` sees the whole sequence without it."""
+    try:
+        asks = "is_decoder" in inspect.getsource(type(model).__init__)
+    except (OSError, TypeError):
+        asks = False
+    if asks and not getattr(model.config, "is_decoder", False):
+        raise NotUnderstood(
+            f"{name} is an encoder: its attention sees the whole sequence, so it is not a causal LM "
+            "unless its config sets is_decoder=True"
+        )
+
+
+def _base_model(model: nn.Module, name: str) -> tuple[str, nn.Module]:
+    """The base model: under ``base_model_prefix``, or else the one child holding the input embeddings."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if isinstance(base, nn.Module):
+        return prefix, base
+    embedding = model.get_input_embeddings()
+    holding = [(n, c) for n, c in model.named_children() if any(m is embedding for m in c.modules())]
+    if len(holding) != 1:
+        raise NotUnderstood(f"{name} has no base model under its base_model_prefix {prefix!r}")
+    return holding[0]
+
+
+def _path_of(parent: nn.Module, module: nn.Module) -> str | None:
+    return next((n for n, m in parent.named_modules() if m is module and n), None)
 
 
 def holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _refuse_other_children(model: nn.Module, known: set[str], name: str) -> None:
-    others = [n for n, c in model.named_children() if n not in known and holds_parameters(c)]
-    others += [n for n, p in model.named_parameters(recurse=False)]
-    if others:
-        raise NotUnderstood(
-            f"{name} holds parameters outside its base model and LM head: {', '.join(others)}"
-        )
+def _has_layer_list(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.ModuleList) and len(m) for m in module.modules())
 
 
-def _layer_holder(path: str, base: nn.Module, name: str) -> tuple[str, nn.Module]:
-    """The module under the base that holds the layer list: the base, or (OPT's decoder) the one child
-    that holds all of the base's parameters, followed down."""
-    while not any(isinstance(c, nn.ModuleList) for c in base.children()):
-        holding = [(n, c) for n, c in base.named_children() if holds_parameters(c)]
-        if len(holding) != 1 or any(True for _ in base.parameters(recurse=False)):
-            raise NotUnderstood(f"{name}: no decoder layer list found under {type(base).__name__}")
-        child_name, base = holding[0]
+def _chain_to_layers(path: str, base: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """The modules from the base down to the one holding the layer list (BERT: the model, its encoder),
+    following the one child that holds a module list at each level."""
+    chain = [(path, base)]
+    while not any(isinstance(c, nn.ModuleList) and len(c) for c in base.children()):
+        below = [(n, c) for n, c in base.named_children() if _has_layer_list(c)]
+        if len(below) != 1:
+            found = ", ".join(n for n, _ in below) or "none"
+            raise NotUnderstood(
+                f"{name}: no one decoder layer list found under {type(base).__name__} (parts holding "
+                f"layers: {found}; of a multimodal model, give the config of its text model)"
+            )
+        child_name, base = below[0]
         path = f"{path}.{child_name}"
-    return path, base
+        chain.append((path, base))
+    return chain
 
 
 def _decoder_layers(base: nn.Module, model: nn.Module, name: str) -> str:
@@ -137,22 +161,31 @@ def _decoder_layers(base: nn.Module, model: nn.Module, name: str) -> str:
 
 
 def _before_and_after(
-    base: nn.Module, layers: str, token_embedding: str, name: str
+    chain: list[tuple[str, nn.Module]], layers: str, token_embedding: str, name: str
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The children with parameters that the base's forward runs before the layers, and after them."""
-    order = _first_mentions(type(base))
+    """What holds parameters beside the way down to the layers, at each level, run before the layers or
+    after them: by the order each level's forward first names it and the way down."""
     before, after = [], []
-    holding = [(n, c) for n, c in base.named_children() if n != layers and holds_parameters(c)]
-    for child_name, child in [*holding, *base.named_parameters(recurse=False)]:
-        if isinstance(child, nn.Embedding) or child_name == token_embedding:
-            before.append(child_name)
-        elif child_name in order and layers in order:
-            (before if order[child_name] < order[layers] else after).append(child_name)
-        else:
-            raise NotUnderstood(
-                f"{name}: {type(base).__name__}.forward does not say where {child_name} "
-                f"({type(child).__name__}) runs, before or after the decoder layers"
+    for depth, (path, module) in enumerate(chain):
+        down = chain[depth + 1][0].rsplit(".", 1)[1] if depth + 1 < len(chain) else layers
+        order = _first_mentions(type(module))
+        holding = [(n, c) for n, c in module.named_children() if n != down and holds_parameters(c)]
+        for child_name, child in [*holding, *module.named_parameters(recurse=False)]:
+            full = f"{path}.{child_name}"
+            embeds = (
+                isinstance(child, nn.Embedding)
+                or token_embedding.startswith(f"{full}.")
+                or (full == token_embedding)
             )
+            if embeds:
+                before.append(full)
+            elif child_name in order and down in order:
+                (before if order[child_name] < order[down] else after).append(full)
+            else:
+                raise NotUnderstood(
+                    f"{name}: {type(module).__name__}.forward does not say where {child_name} "
+                    f"({type(child).__name__}) runs, before or after the decoder layers"
+                )
     return tuple(before), tuple(after)
 
 
