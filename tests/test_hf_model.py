@@ -95,14 +95,26 @@ def test_a_stage_sends_plain_tensors():
     assert torch.equal(out["attention_mask"], mask) and torch.equal(out["input_ids"], ids)
 
 
-def test_attention_dropout_is_turned_off_with_one_warning():
-    config = gpt2_config()
-    config.attn_pdrop = 0.1
-    with pytest.warns(
-        UserWarning, match=r"attn_pdrop = 0.1: attention dropout cannot be made exact"
-    ) as caught:
-        hf.split(config, 0, 2)
-    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+def test_attention_dropout_stays_on_keyed_so_any_cut_gives_the_keyed_models_gradients():
+    """GPT-2's attention dropout (drawn inside the attention kernel) with its other dropout: one step on
+    1, 3 and 8 virtual stages leaves the loss and gradients of ``transformers``' model keyed alike."""
+    from pipeclock import schedule
+    from tests.hf_cases import reference, worst_gap
+
+    config = gpt2_config(dropout=0.1)
+    config.attn_pdrop = 0.3
+    inputs, labels = padded_batch(4, 8, seed=2)
+    want = reference(config, 5, inputs, labels)
+    for chunks in (1, 3, 8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing is turned off
+            stages = hf.split(config, 0, 1, chunks=chunks, seed=5)
+        stages = stages if isinstance(stages, list) else [stages]
+        name = "interleaved-1f1b" if chunks > 1 else "1f1b"
+        loss = schedule.Pipeline(stages, name, 1, hf.loss()).step(inputs, labels)
+        assert worst_gap(loss, stages, *want) <= 1e-5, chunks
+    config.attn_pdrop = 0.0
+    assert reference(config, 5, inputs, labels)[0] != want[0], "attention dropout is at work"
 
 
 def one_line_error(call) -> str:
@@ -235,6 +247,44 @@ def test_a_mixture_of_experts_reads_back_from_save_pretrained_and_from_its_own_e
     for rank in range(3):
         for name, parameter in hf.split(str(tmp_path / "exported"), rank, 3).named_parameters():
             assert torch.equal(parameter, state[name]), name
+
+
+def model_with_its_own_code(directory: Path) -> None:
+    """A config naming its own Python code (``auto_map``): a Llama under another model type."""
+    directory.mkdir()
+    (directory / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n"
+        '    model_type = "tiny_own_code"\n'
+    )
+    (directory / "modeling_tiny.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+    )
+    code = {
+        "AutoConfig": "configuration_tiny.TinyConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+    }
+    config = {**llama_config(layers=2).to_dict(), "model_type": "tiny_own_code", "auto_map": code}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_a_models_own_code_runs_only_when_trusted_and_says_so(tmp_path, capsys):
+    from pipeclock.cli.dispatch import main
+
+    model_with_its_own_code(tmp_path / "own")
+    message = one_line_error(lambda: hf.split(str(tmp_path / "own"), 0, 2))
+    assert "holds the model's own Python code (auto_map): pass trust_remote_code=True" in message
+    with pytest.warns(UserWarning, match="trust_remote_code: running the model's own Python code"):
+        config = hf.config_of(str(tmp_path / "own"), trust_remote_code=True)
+    stage = hf.split(config, 1, 2, trust_remote_code=True)
+    assert type(stage._runner).__name__ == "TinyForCausalLM"  # the stage runs the model's own class
+    args = ["train", "--model", "hf", "--hf-config", str(tmp_path / "own"), "--steps", "1", "--seq-len", "16",
+            "--batch-size", "2", "--microbatches", "1", "--eval-batches", "1"]  # fmt: skip
+    assert main(args) == 2
+    assert "pass trust_remote_code=True (train --trust-remote-code)" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*args, "--trust-remote-code"]) == 0
 
 
 # --- what train --model hf prints -------------------------------------------------------------------

@@ -40,8 +40,9 @@ class HFTask(LanguageTask):
         from pipeclock.models.hf.tokens import Tokens, has_tokenizer
 
         self.source = hf_source(config)
-        self.hf_config = hf.prepared_config(hf.config_of(self.source))
-        self.layout = hf.layout_of(self.hf_config)
+        self.trusted = config.trust_remote_code
+        self.hf_config = hf.prepared_config(hf.config_of(self.source, self.trusted))
+        self.layout = hf.layout_of(self.hf_config, self.trusted)
         given = config.hf_model and has_tokenizer(self.source)
         self.tokens = Tokens(self.source) if given else None
         self._check_fits(config)
@@ -80,7 +81,7 @@ class HFTask(LanguageTask):
         weights = self.source if self.config.hf_model else None
         chunks = hf.split(
             self.hf_config, rank, world, chunks=len(placement.stages[rank]), placement=placement,
-            balance=cut, seed=self.config.seed, weights=weights,
+            balance=cut, seed=self.config.seed, weights=weights, trust_remote_code=self.trusted,
         )  # fmt: skip
         return chunks if isinstance(chunks, list) else [chunks]
 
@@ -113,4 +114,6 @@ class HFTask(LanguageTask):
             "seq_len": self.config.seq_len,
             "corpus_sha256": self.corpus.sha256,
             **({"tokenizer": str(self.tokens.directory)} if self.tokens is not None else {}),
+            # the model's own code stays where it was: export and generate read it from there again
+            **({"trust_remote_code": str(Path(self.source).resolve())} if self.trusted else {}),
         }

@@ -117,7 +117,8 @@ def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
         print(f"pipeclock export: error: {error}", file=sys.stderr)
         return 2
     try:
-        save_pretrained(state, hf_config(run_info), output)
+        trusted = bool(run_info.get("trust_remote_code"))
+        save_pretrained(state, hf_config(run_info), output, trust_remote_code=trusted)
         if tokens is not None:
             tokens.save(output)
     except (OSError, RuntimeError) as error:

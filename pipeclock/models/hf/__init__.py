@@ -29,6 +29,7 @@ from pipeclock.models.hf.build import (
     load_weights,
     meta_model,
     prepared_config,
+    remote_code,
     stage_cut,
 )
 from pipeclock.models.hf.export import save_pretrained
@@ -68,23 +69,29 @@ def loss(config=None) -> TokenCrossEntropy:
     return TokenCrossEntropy(shift=True)
 
 
-def config_of(source):
-    """The config of a config, a model, or a local ``from_pretrained`` directory (or its config.json)."""
+def config_of(source, trust_remote_code: bool = False):
+    """The config of a config, a model, or a local ``from_pretrained`` directory (or its config.json).
+
+    A directory whose config names its own Python code (``auto_map``) needs ``trust_remote_code``."""
     if isinstance(source, str | Path):
         from transformers import AutoConfig
 
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"no Hugging Face config at {path}")
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with remote_code(trust_remote_code, path):
+            return AutoConfig.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=trust_remote_code
+            )
     if isinstance(source, nn.Module):
         return source.config
     return source
 
 
-def layout_of(source) -> Layout:
+def layout_of(source, trust_remote_code: bool = False) -> Layout:
     """Where the embedding, layers, norm and head of ``source``'s model are (built on the meta device)."""
-    return find_layout(meta_model(prepared_config(config_of(source))))
+    config = prepared_config(config_of(source, trust_remote_code))
+    return find_layout(meta_model(config, trust_remote_code=trust_remote_code))
 
 
 def split(
@@ -97,19 +104,22 @@ def split(
     balance: Sequence | None = None,
     seed: int = 0,
     weights: str | Path | None = None,
+    trust_remote_code: bool = False,
 ) -> HFStage | list[HFStage]:
     """Rank ``stage``'s chunk(s) of a causal LM: one `HFStage` for one chunk, a list for several.
 
     ``model_or_config``: a ``PretrainedConfig`` (random weights from ``seed`` and each parameter's name),
     a ``PreTrainedModel`` (its config and, from its state, its weights), or a local directory (its config
     and safetensors weights, read by name). ``balance``: the pieces of every virtual stage (ranges or
-    sizes), by default balanced by count. Only this rank's pieces are allocated.
+    sizes), by default balanced by count. Only this rank's pieces are allocated. ``trust_remote_code``
+    runs the model's own Python code, for a config that names it (``auto_map``): off by default.
     """
-    config = prepared_config(config_of(model_or_config))
+    config = prepared_config(config_of(model_or_config, trust_remote_code))
     if weights is None and isinstance(model_or_config, str | Path) and Path(model_or_config).is_dir():
         weights = model_or_config
     resolved = resolve_placement(placement, num_stages, chunks)
-    model = meta_model(config, seed)
+    cls = type(model_or_config) if isinstance(model_or_config, nn.Module) else None
+    model = meta_model(config, seed, cls, trust_remote_code)
     layout = find_layout(model)
     cut = stage_cut(layout, resolved.num_virtual, balance)
     mine = virtual_stages(stage, num_stages, chunks, resolved)
@@ -119,9 +129,11 @@ def split(
     return stages[0] if len(stages) == 1 else stages
 
 
-def whole(model_or_config, seed: int = 0, weights: str | Path | None = None) -> HFStage:
+def whole(
+    model_or_config, seed: int = 0, weights: str | Path | None = None, trust_remote_code: bool = False
+) -> HFStage:
     """The whole model as one stage, built the same way: the one-process reference of every split."""
-    result = split(model_or_config, 0, 1, seed=seed, weights=weights)
+    result = split(model_or_config, 0, 1, seed=seed, weights=weights, trust_remote_code=trust_remote_code)
     assert isinstance(result, HFStage)
     return result
 

@@ -11,15 +11,16 @@ activation does for its ``beta``) are found (they are NaN after it ran) and copi
 again, alone, by its constructor: the values ``transformers`` gives when it builds the model for real.
 
 Random numbers are keyed by (seed, step, sample, layer) (`randomness`), so they do not depend on the
-cut. Attention dropout (on attention probabilities, drawn inside the attention kernel from the global
-generator) cannot be made exact: it is turned off, with a one-line warning.
+cut: attention dropout too, drawn inside the attention kernel from the generator each layer's call
+seeds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from itertools import pairwise
 from pathlib import Path
 
@@ -28,34 +29,26 @@ from torch import nn
 
 from pipeclock.engine.ties import tie
 from pipeclock.models.hf.randomness import keyed, name_key
+from pipeclock.models.hf.refused import refuse_known
 from pipeclock.models.hf.routers import RouterLogits
 from pipeclock.models.hf.stage import HFStage
 from pipeclock.models.hf.structure import Layout, NotUnderstood
 from pipeclock.models.hf.weights import load_weights
 
-ATTENTION_DROPOUT_FIELDS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 MIN_BYTE_VOCABULARY = 256
 
 
 def prepared_config(config):
-    """A copy of ``config`` for pipelined training: no KV cache, attention dropout off (warned).
+    """A copy of ``config`` for pipelined training: no KV cache, float32 master weights.
 
     The config of an encoder-decoder family (BART, Whisper ...) becomes what ``AutoModelForCausalLM``
     makes of it: its decoder alone, a causal LM (refused when the family has none)."""
+    refuse_known(config)
     config = copy_config(config)
     _train_in_float32(config)
     if getattr(config, "is_encoder_decoder", False):
         config = copy_config(_causal_lm(config).config)
     config.use_cache = False
-    for field in ATTENTION_DROPOUT_FIELDS:
-        value = getattr(config, field, None)
-        if isinstance(value, float | int) and value > 0:
-            warnings.warn(
-                f"{type(config).__name__}.{field} = {value}: attention dropout cannot be made exact "
-                "across stages, so it is turned off (other dropout stays, keyed)",
-                stacklevel=3,
-            )
-            setattr(config, field, 0.0)
     return config
 
 
@@ -78,17 +71,43 @@ def copy_config(config):
     return type(config).from_dict(config.to_dict())
 
 
-def meta_model(config, seed: int = 0) -> nn.Module:
-    """The whole ``*ForCausalLM`` of ``config`` on the meta device: its structure, no memory."""
-    return keyed(_causal_lm(config), seed)
+def meta_model(config, seed: int = 0, cls: type | None = None, trust_remote_code: bool = False) -> nn.Module:
+    """The whole ``*ForCausalLM`` of ``config`` on the meta device: its structure, no memory. ``cls``:
+    the model's class (that of a model given), else the one ``AutoModelForCausalLM`` picks."""
+    return keyed(_causal_lm(config, cls, trust_remote_code), seed)
 
 
-def _causal_lm(config) -> nn.Module:
+@contextmanager
+def remote_code(trusted: bool, where) -> Iterator[None]:
+    """Around loading a model's own Python code: said when trusted, one line refusing it when not."""
+    if trusted:
+        warnings.warn(
+            f"trust_remote_code: running the model's own Python code from {where}; "
+            "use it only with code you have read or trust",
+            stacklevel=4,
+        )
+    try:
+        yield
+    except ValueError as error:
+        if trusted or "trust_remote_code" not in str(error):
+            raise
+        raise NotUnderstood(
+            f"{where} holds the model's own Python code (auto_map): pass trust_remote_code=True "
+            "(train --trust-remote-code) to run it, if you trust it"
+        ) from None
+
+
+def _causal_lm(config, cls: type | None = None, trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if cls is not None:
+                return cls._from_config(config, dtype=torch.float32)
+            with nullcontext() if trust_remote_code else remote_code(False, type(config).__name__):
+                return AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, trust_remote_code=trust_remote_code
+                )
     except ValueError as error:
         if "Unrecognized configuration class" not in str(error):
             raise
@@ -206,28 +225,55 @@ def _shared_parameters(stage: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def _constructed_values(stage: HFStage, model: nn.Module) -> None:
-    """Tensors the family's init did not set (NaN, or not floating) take what the constructor gives
-    them: of their decoder layer, built again alone on the CPU (one at a time), or of their own module."""
+    """Tensors the family's init did not set (NaN, or not floating) take what the model's construction
+    gives them: their decoder layer built again alone on the CPU (one at a time), or their own module;
+    else the model built with one layer, where that module (or layer 0) sits."""
+    small = _OneLayerModel(model, stage.layout)
     layers = stage._held_layers()
     in_layers = set()
     for index, layer in layers.items():
         unset = [name for name, t in _tensors(layer) if _unset(t)]
         in_layers.update(id(t) for _, t in _tensors(layer))
         if unset:
-            _copy_from_constructor(layer, model.config, unset, int(index))
-    for _, module in stage.named_modules():
+            built = _construct(type(layer), model.config, int(index)) or small.layer()
+            _copy(layer, built, unset, f"{type(layer).__name__} {index}")
+    for path, module in stage.named_modules():
         own = [(n, t) for n, t in _tensors(module, recurse=False) if id(t) not in in_layers]
         unset = [n for n, t in own if _unset(t)]
-        if unset:  # a constant the model's own modules compute (a mask, a scale): built with one layer
-            _copy_from_constructor(module, _one_layer(model.config), unset)
+        if unset:  # a constant the model's own modules compute (a mask, a scale)
+            built = _construct(type(module), small.config, None) or small.module(path)
+            _copy(module, built, unset, type(module).__name__, recurse=False)
 
 
-def _one_layer(config):
-    """A copy of ``config`` with one decoder layer: to build a module that holds the layer list cheaply."""
-    config = copy_config(config)
-    if isinstance(getattr(config, "num_hidden_layers", None), int):
-        config.num_hidden_layers = 1
-    return config
+class _OneLayerModel:
+    """The whole model with one decoder layer, built on the CPU once asked for (its constructor's
+    values for a module that cannot be built alone)."""
+
+    def __init__(self, model: nn.Module, layout: Layout):
+        self.config, self.cls, self.layout, self.built = copy_config(model.config), type(model), layout, None
+        if isinstance(getattr(self.config, "num_hidden_layers", None), int):
+            with contextlib.suppress(Exception):  # a family may refuse it (ProphetNet)
+                self.config.num_hidden_layers = 1
+
+    def _model(self) -> nn.Module | None:
+        if self.built is None:
+            try:
+                with torch.device("cpu"):
+                    self.built = self.cls._from_config(self.config, dtype=torch.float32)
+            except Exception:
+                return None
+        return self.built
+
+    def layer(self) -> nn.Module | None:
+        model = self._model()
+        return None if model is None else getattr(self.layout.base_of(model), self.layout.layers)[0]
+
+    def module(self, path: str) -> nn.Module | None:
+        model = self._model()
+        try:
+            return None if model is None else model.get_submodule(path)
+        except AttributeError:
+            return None
 
 
 def _unset(tensor: torch.Tensor) -> bool:
@@ -238,16 +284,14 @@ def _tensors(module: nn.Module, recurse: bool = True) -> list[tuple[str, torch.T
     return [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
 
 
-def _copy_from_constructor(module: nn.Module, config, names: list[str], index: int | None = None) -> None:
-    built = _construct(type(module), config, index)
+def _copy(module: nn.Module, built: nn.Module | None, names: list[str], where: str, recurse=True) -> None:
     found = dict(_tensors(built)) if built is not None else {}
-    own = dict(_tensors(module, recurse=index is not None))
+    own = dict(_tensors(module, recurse=recurse))
     missing = [n for n in names if n not in found or found[n].shape != own[n].shape]
     if missing:
-        where = type(module).__name__ + ("" if index is None else f" {index}")
         raise NotUnderstood(
             f"{where}: {', '.join(missing)} set neither by the family's _init_weights nor by "
-            "building the module again from its config"
+            "building the module again"
         )
     with torch.no_grad():
         for name in names:
@@ -262,7 +306,7 @@ def _construct(cls: type, config, index: int | None) -> nn.Module | None:
         try:
             with torch.device("cpu"):
                 return cls(*args, **kwargs)
-        except (TypeError, AttributeError):
+        except (TypeError, AttributeError, ValueError):
             continue
     return None
 

@@ -21,20 +21,21 @@ def save_pretrained(
     config,
     output: str | Path,
     group: dist.ProcessGroup | None = None,
+    trust_remote_code: bool = False,
 ) -> Path | None:
     """Write a causal LM with ``config`` as a ``from_pretrained`` directory ``output``.
 
     ``model`` is the whole model's state (HF names), or this rank's stage or stages (what
     ``pipeclock.models.hf.split`` returned). Under ``torch.distributed`` every rank of ``group`` calls it
     with its own stages: the first rank gathers every rank's tensors and writes (and returns the path);
-    the others return None.
+    the others return None. ``trust_remote_code``: for a model of its own Python code (as it was split).
     """
     state = _state_of(model)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         state = _gathered(state, group)
         if state is None:
             return None
-    return _write(state, config, Path(output))
+    return _write(state, config, Path(output), trust_remote_code)
 
 
 def _state_of(model) -> dict[str, torch.Tensor]:
@@ -55,7 +56,7 @@ def _gathered(state: dict[str, torch.Tensor], group) -> dict[str, torch.Tensor] 
     return {name: t for part in found for name, t in part.items()}
 
 
-def _write(state: dict[str, torch.Tensor], config, output: Path) -> Path:
+def _write(state: dict[str, torch.Tensor], config, output: Path, trust_remote_code: bool) -> Path:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -65,7 +66,7 @@ def _write(state: dict[str, torch.Tensor], config, output: Path) -> Path:
     config = copy_config(config)
     config.use_cache = True  # for generation; the pipeline turns it off itself
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     model.load_state_dict(state, strict=True, assign=True)
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight and getattr(
         config, "tie_word_embeddings", False

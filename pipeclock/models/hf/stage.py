@@ -78,11 +78,13 @@ class _WithRouters(nn.Module):
 class _Slot(nn.Module):
     """Decoder layer ``index`` inside the model's own forward (see the module's docstring)."""
 
-    def __init__(self, index: int, layer: nn.Module, stage: HFStage):
+    def __init__(self, index: int, layer: nn.Module, stage: HFStage, held: bool):
         super().__init__()
         object.__setattr__(self, "_layer", layer)  # the real layer, or a meta one held elsewhere
         object.__setattr__(self, "_stage", stage)
         self.index = index
+        if held:  # the base's own parameters() (read for their dtype and device) are the held layers'
+            self.held = layer
 
     def __getattr__(self, name: str):
         try:
@@ -124,8 +126,9 @@ class _Absent(nn.Module):
         return torch.empty((), dtype=dtype, device=device).expand(shape)
 
     def forward(self, *args, **kwargs):
-        given = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if self.width is None:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        given = next((t for t in tensors if t.is_floating_point()), tensors[0] if tensors else None)
+        if self.width is None:  # hidden states in, hidden states out (a norm, a projection)
             return given
         return torch.full((*given.shape, self.width), float("nan"), dtype=self.dtype, device=given.device)
 
@@ -202,7 +205,9 @@ class HFStage(nn.Module):
     def _holds(self, path: str) -> bool:
         """Whether this stage holds what runs before the layers (``path`` among the embeddings) or
         after them."""
-        return self.has_embedding if path in self.layout.embeddings else self.has_head
+        if path in self.layout.embeddings:
+            return self.has_embedding
+        return self.has_head if path in self.layout.after else True  # a constant: every stage keeps it
 
     def _base(self) -> nn.Module:
         return self.layout.base_of(self)
@@ -237,7 +242,7 @@ class HFStage(nn.Module):
             elif not down and name == layout.layers:
                 mine = dict(self._held_layers().items())
                 children[name] = nn.ModuleList(
-                    _Slot(i, mine.get(str(i), meta), self) for i, meta in enumerate(child)
+                    _Slot(i, mine.get(str(i), meta), self, str(i) in mine) for i, meta in enumerate(child)
                 )
             elif full in layout.embeddings and not self.has_embedding:
                 embeds = isinstance(child, nn.Embedding) or layout.input_embedding.startswith(f"{full}.")
@@ -250,6 +255,9 @@ class HFStage(nn.Module):
         for name, parameter in module.named_parameters(recurse=False):
             if not self._holds(f"{prefix}.{name}"):  # read only on the way to a slot whose value is unused
                 object.__setattr__(runner, name, torch.full(parameter.shape, float("nan")))
+        if not any(True for _ in runner.parameters()) and self.has_head:
+            # a forward that reads next(self.parameters()) for their dtype finds the stage's head
+            runner._modules["pipeclock_head"] = getattr(self, self.layout.head_side[0])
         return runner
 
     def _slot(self, index: int, args: tuple, kwargs: dict):

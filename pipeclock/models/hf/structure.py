@@ -76,7 +76,7 @@ def find_layout(model: nn.Module) -> Layout:
     if head is None or head.split(".")[0] == base_name:
         raise NotUnderstood(f"{name}'s LM head ({type(head_module).__name__}) is not outside its base model")
     side = tuple(n for n, c in model.named_children() if n != base_name and holds_parameters(c))
-    if any(True for _ in model.parameters(recurse=False)):
+    if any(p.requires_grad for p in model.parameters(recurse=False)):
         raise NotUnderstood(f"{name} holds parameters of its own besides its base model and LM head")
     chain = _chain_to_layers(base_name, base, name)
     path, holder = chain[-1]
@@ -122,7 +122,9 @@ def _path_of(parent: nn.Module, module: nn.Module) -> str | None:
 
 
 def holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
+    """Whether ``module`` holds weights that train (frozen ones, a sinusoidal table, are constants that
+    every stage keeps, as buffers)."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 def _has_layer_list(module: nn.Module) -> bool:
@@ -170,7 +172,8 @@ def _before_and_after(
         down = chain[depth + 1][0].rsplit(".", 1)[1] if depth + 1 < len(chain) else layers
         order = _first_mentions(type(module))
         holding = [(n, c) for n, c in module.named_children() if n != down and holds_parameters(c)]
-        for child_name, child in [*holding, *module.named_parameters(recurse=False)]:
+        trained = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        for child_name, child in [*holding, *trained]:
             full = f"{path}.{child_name}"
             embeds = (
                 isinstance(child, nn.Embedding)
