@@ -23,10 +23,10 @@ from pathlib import Path
 from torch import nn
 
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.models.hf import weights
 from pipeclock.models.hf.build import (
     MIN_BYTE_VOCABULARY,
     build_stages,
-    load_weights,
     meta_model,
     prepared_config,
     remote_code,
@@ -136,6 +136,13 @@ def whole(
     result = split(model_or_config, 0, 1, seed=seed, weights=weights, trust_remote_code=trust_remote_code)
     assert isinstance(result, HFStage)
     return result
+
+
+def load_weights(stages: Sequence[nn.Module], directory: str | Path, trust_remote_code: bool = False) -> None:
+    """Copy ``stages``' parameters from a ``from_pretrained`` directory, reading only their tensors,
+    converted as ``transformers`` converts them (a mixture of experts' per-expert tensors fused)."""
+    config = prepared_config(config_of(directory, trust_remote_code))
+    weights.load_weights(stages, directory, meta_model(config, trust_remote_code=trust_remote_code))
 
 
 def _copy_from(model: nn.Module, stages: list[HFStage]) -> None:

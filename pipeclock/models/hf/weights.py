@@ -41,21 +41,16 @@ def weight_files(directory: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
-def load_weights(stages: Sequence[nn.Module], directory: str | Path, model: nn.Module | None = None) -> None:
+def load_weights(stages: Sequence[nn.Module], directory: str | Path, model: nn.Module) -> None:
     """Copy each of the stages' parameters from the directory's safetensors, reading only the tensors
-    they are made of. ``model``: the whole model on the meta device (built from the directory's config
-    when not given), whose family says how stored names and tensors become its own."""
+    they are made of. ``model``: the whole model on the meta device, whose family says how stored
+    names and tensors become its own."""
     from safetensors import safe_open
 
     from pipeclock.engine.ties import tie_key
 
     directory = Path(directory)
     files = weight_files(directory)
-    if model is None:
-        from pipeclock.models.hf import config_of
-        from pipeclock.models.hf.build import meta_model, prepared_config
-
-        model = meta_model(prepared_config(config_of(directory)))
     targets: dict[str, list[torch.Tensor]] = {}
     for stage in stages:
         for name, parameter in stage.named_parameters():
