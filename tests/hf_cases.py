@@ -89,7 +89,7 @@ def _reference_model(config_json: str, seed: int):
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(hf.build.prepared_config(config))
         model.load_state_dict(hf.whole(config, seed=seed).state_dict())
-    hf.keyed_dropout(model, seed)
+    hf.keyed(model, seed)
     return model.train()
 
 

@@ -153,12 +153,12 @@ def test_refusals_exit_with_2_as_the_readme_says(mlp_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_configs(tmp_path_factory) -> Path:
-    """Tiny configs: a GPT-2 with attention dropout, and a BERT (an encoder)."""
+    """Tiny configs: a GPT-2 stored in bfloat16, and a BERT (an encoder)."""
     from transformers import BertConfig, GPT2Config
 
     root = tmp_path_factory.mktemp("configs")
     small = dict(vocab_size=300, bos_token_id=0, eos_token_id=0)
-    GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, attn_pdrop=0.1, **small).to_json_file(
+    GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, dtype="bfloat16", **small).to_json_file(
         root / "gpt2.json"
     )
     BertConfig(
@@ -188,7 +188,7 @@ def test_hf_config_and_hf_model_together_are_refused_as_two_sources(hf_configs):
 
 @pytest.fixture(scope="module")
 def gpt2_run(hf_configs) -> tuple[Path, str]:
-    """A one-step GPT-2 checkpoint (its config asks for attention dropout), and what training printed."""
+    """A one-step GPT-2 checkpoint (its config stored in bfloat16), and what training printed."""
     directory = hf_configs / "run"
     code, _, err = run_command("train", *HF_TINY, "--hf-config", str(hf_configs / "gpt2.json"),
                                "--checkpoint-dir", str(directory))  # fmt: skip
@@ -196,12 +196,12 @@ def gpt2_run(hf_configs) -> tuple[Path, str]:
     return directory, err
 
 
-def test_turning_attention_dropout_off_is_said_once_in_one_line(gpt2_run):
+def test_training_bfloat16_weights_as_float32_is_said_once_in_one_line(gpt2_run):
     _, err = gpt2_run
-    said = [line for line in err.splitlines() if "attention dropout" in line]
+    said = [line for line in err.splitlines() if "master weights" in line]
     assert said == [
-        "pipeclock train: warning: GPT2Config.attn_pdrop = 0.1: attention dropout cannot be made exact "
-        "across stages, so it is turned off (other dropout stays, keyed)"
+        "pipeclock train: warning: GPT2Config: weights stored as bfloat16 are trained as float32 master "
+        "weights (--dtype bf16 computes in bfloat16 over them)"
     ], err
     assert "Warning:" not in err and ".py:" not in err, err
 

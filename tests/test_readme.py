@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import run_ok
 
@@ -89,14 +91,16 @@ def with_changes(snippet: str, changes: dict[str, str]) -> str:
     return snippet
 
 
-def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
-    """Each snippet run as a script would run it on this rank; what its optimizer and pipeline hold.
+def run_snippets(rank: int, world: int, snippets: list[str], workdir: str) -> list[dict]:
+    """Each snippet run as a script would run it on this rank, in ``workdir``; what its optimizer and
+    pipeline hold.
 
     The snippets share this launch's process group: a snippet's ``comms.shutdown()`` is skipped, since
     leaving the group and joining again at once on the same port can race with the other rank.
     """
     from pipeclock import comms
 
+    os.chdir(workdir)
     leave, comms.shutdown = comms.shutdown, lambda: None
     results = []
     try:
@@ -107,15 +111,25 @@ def run_snippets(rank: int, world: int, snippets: list[str]) -> list[dict]:
             held = {id(p) for chunk in scope["pipe"].chunks for p in chunk.parameters()}
             chunks = len(scope["pipe"].chunks)
             results.append({"loss": scope["loss"], "chunks": chunks, "all": optimized == held})
+            if "hf" in scope:  # the HF snippet: its stage's trained weights, to find in its export
+                results[-1]["weights"] = {n: p.detach() for n, p in scope["stage"].named_parameters()}
     finally:
         comms.shutdown = leave
     return results
 
 
-def test_the_readmes_python_snippets_run_and_optimize_every_chunk():
+def test_the_readmes_python_snippets_run_and_optimize_every_chunk(tmp_path):
+    """And the HF snippet's ``hf.save_pretrained`` writes what ``transformers`` reads, with the trained
+    weights of both ranks' stages."""
+    from transformers import AutoModelForCausalLM
+
     hf_model, own_model, mesh = SNIPPETS  # "Using it on your own model" (HF, any Sequential), the mesh
     snippets = [own_model, with_changes(own_model, INTERLEAVED), mesh, hf_model]
-    ranks = run_ok(run_snippets, 2, snippets, timeout=60.0)
+    ranks = run_ok(run_snippets, 2, snippets, str(tmp_path), timeout=60.0)
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf-out"), local_files_only=True)
+    state = saved.state_dict()
+    for results in ranks:
+        assert all(torch.equal(t, state[name]) for name, t in results[-1]["weights"].items())
     for rank, results in enumerate(ranks):
         assert [result["chunks"] for result in results] == [1, 2, 1, 1], rank
         assert all(result["all"] for result in results), "the optimizer holds every chunk's parameters"

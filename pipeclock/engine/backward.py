@@ -6,8 +6,11 @@ for the stage input's and those outputs' gradients; ``W`` turns each output grad
 weight gradients (one ``addmm_`` into ``.grad`` for an ``nn.Linear``, autograd for the rest). A backward
 that W follows at once is split only where that pays (``in_place_pays``), else it is one autograd call
 with no hook. Inside a checkpointed block a block is rebuilt once per micro-batch, not once per call;
-under autocast a weight gradient is computed as autograd would. A Linear split by tensor parallel (its
-weight a DTensor) gets its shard's gradient from this rank's own slices: W sends nothing. Why, in
+under autocast a weight gradient is computed as autograd would. A module whose weights cannot be left
+to W (its output not one tensor, changed in place, never called (its weights read directly), or one of
+its parameters held by another module too) has them computed by B, in the same autograd call. A Linear
+split by tensor parallel (its weight a DTensor) gets its shard's gradient from this rank's own slices:
+W sends nothing. Why, in
 detail: docs/engine.md.
 """
 
@@ -36,6 +39,7 @@ class Captured:
     version: int  # autograd's version counter when captured: an in-place change afterwards is an error
     edge: GradientEdge | None = None  # inside a checkpoint: where the output's gradient arrives
     rebuilt: Rebuilt | None = None  # inside a checkpoint, for a module other than nn.Linear
+    in_input_backward: bool = False  # B computes this module's weight gradients (see the docstring)
 
     @property
     def gradient_target(self) -> torch.Tensor | GradientEdge:
@@ -59,6 +63,12 @@ class WeightWork:
     grad: torch.Tensor
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` computing ``x @ weight.T + bias`` from its first argument: W can take its weight
+    gradient as one matrix product (a subclass with its own ``forward`` goes through autograd)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
 # Weight elements per nn.Linear (on average) from which an in-place W pays for its Python per module.
 # Measured on 2 CPU cores, a stack of Linear + ReLU, B then W against one autograd call, gradients
 # accumulating: at width 128 the split gains nothing, at 256 it is 5-20 % faster, at 1024 up to 45 %.
@@ -68,7 +78,7 @@ IN_PLACE_PAYS_FROM = 2**15
 def in_place_pays(owners: Sequence[nn.Module]) -> bool:
     """True when splitting a backward that W follows at once saves time: ``owners`` (the modules that
     hold parameters directly) are all ``nn.Linear`` and their weights are large enough."""
-    if not owners or not all(isinstance(m, nn.Linear) for m in owners):
+    if not owners or not all(plain_linear(m) for m in owners):
         return False
     return sum(_local(m.weight).numel() for m in owners) >= IN_PLACE_PAYS_FROM * len(owners)
 
@@ -87,9 +97,7 @@ def in_place_saves_enough(captured: Sequence[Captured]) -> bool:
     ``captured`` is one forward's capture; recomputed modules (no output kept) are not counted.
     """
     outputs = [item for item in captured if item.output is not None]
-    weights = sum(
-        _local(item.module.weight).numel() for item in outputs if isinstance(item.module, nn.Linear)
-    )
+    weights = sum(_local(item.module.weight).numel() for item in outputs if plain_linear(item.module))
     return bool(outputs) and weights >= IN_PLACE_SAVES_FROM * sum(item.output.numel() for item in outputs)
 
 
@@ -107,14 +115,15 @@ class ParameterOutputs:
         self._captured: list[Captured] | None = None
         self._rebuilding: dict[nn.Module, deque[Captured]] | None = None
         self._recomputed = set(recomputed)
-        owners = [
-            module
+        modules = list(modules)
+        self._owners = {
+            id(top): [m for m in top.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
             for top in modules
-            for module in top.modules()
-            if any(p.requires_grad for p in module.parameters(recurse=False))
-        ]
+        }
+        owners = [module for top in modules for module in self._owners[id(top)]]
+        self._sharing = _sharing_a_parameter(owners)
         # True when some module's W must go back through autograd
-        self.keeps_graph = any(not isinstance(m, nn.Linear) and m not in self._recomputed for m in owners)
+        self.keeps_graph = any(not plain_linear(m) and m not in self._recomputed for m in owners)
         self.split_pays = in_place_pays(owners)  # a backward W follows at once is better split
         self.defers_weights = defers_weights
         self.hooked = defers_weights or self.split_pays
@@ -133,24 +142,25 @@ class ParameterOutputs:
             return
         if self._captured is None:
             return
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(
-                f"the split backward needs every module with parameters to return one tensor; "
-                f"{type(module).__name__} returned {type(output).__name__}"
-            )
+        if not isinstance(output, torch.Tensor) or module in self._sharing:
+            self._captured.append(Captured(module, None, None, 0, in_input_backward=True))
+            return
+        if not output.requires_grad:  # computed without a gradient (no_grad, or from nothing that needs one)
+            return
         if module in self._recomputed:
             self._captured.append(Captured(module, None, None, 0, get_gradient_edge(output)))
             return
-        linear_input = _local(args[0]).detach() if isinstance(module, nn.Linear) else None
+        linear_input = _local(args[0]).detach() if plain_linear(module) else None
         self._captured.append(Captured(module, linear_input, output, output._version))
 
     @contextmanager
-    def capture(self, shape: tuple | None = None) -> Iterator[list[Captured]]:
+    def capture(self, shape: tuple | None = None, chunk: nn.Module | None = None) -> Iterator[list[Captured]]:
         """Collect the inputs and outputs of the parameter-holding modules run inside the block.
 
         ``shape`` (what the forward was fed; None when every W may be deferred) lets a forward whose
         backward is known to run whole collect nothing: holding every layer's output through the
-        forward, only to drop it after, cost fresh memory (page faults) on every step.
+        forward, only to drop it after, cost fresh memory (page faults) on every step. ``chunk`` (the
+        module run): its parameter-holding modules that were not called get their weight gradients in B.
         """
         if shape is not None and self.split_pays_for.get(shape) is False:
             yield []
@@ -158,6 +168,10 @@ class ParameterOutputs:
         self._captured = captured = []
         try:
             yield captured
+            called = {id(item.module) for item in captured}
+            for module in self._owners.get(id(chunk), []):
+                if id(module) not in called:
+                    captured.append(Captured(module, None, None, 0, in_input_backward=True))
         finally:
             self._captured = None
 
@@ -185,8 +199,18 @@ class ParameterOutputs:
             self._rebuilding = None
 
 
+def _sharing_a_parameter(owners: list[nn.Module]) -> set[nn.Module]:
+    """The modules holding a parameter that another module holds too (BERT's decoder bias): each W
+    would add its gradient, so B takes it, once."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in owners:
+        for parameter in module.parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append(module)
+    return {module for found in holders.values() if len(found) > 1 for module in found}
+
+
 def _collect_rebuilt(item: Captured, args: tuple) -> None:
-    if isinstance(item.module, nn.Linear):
+    if plain_linear(item.module):
         item.input = _local(args[0]).detach()
         return
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
@@ -214,6 +238,18 @@ def modified_in_place(captured: list[Captured]) -> Captured | None:
     return next(
         (item for item in captured if item.output is not None and item.output._version != item.version), None
     )
+
+
+def _weights_in_input_backward(captured: list[Captured]) -> tuple[list[Captured], list[nn.Parameter]]:
+    """The captured modules whose weights W can take, and the parameters B must take itself."""
+    split, whole = [], []
+    for item in captured:
+        changed = item.output is not None and item.output._version != item.version
+        if item.in_input_backward or changed:
+            whole += _own_parameters(item.module)
+        else:
+            split.append(item)
+    return split, list({id(p): p for p in whole}.values())
 
 
 def _zeros_for_unused(grads, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -255,19 +291,26 @@ def backward_input(
     ``roots`` are the stage's outputs that carry a gradient (or its loss on the last stage) and
     ``grads`` their received gradients (None for the loss); ``inputs`` the received leaves that want one.
     """
-    changed = modified_in_place(captured)
-    if changed is not None:
-        raise RuntimeError(
-            f"the output of {type(changed.module).__name__} was modified in place after the forward; "
-            "a split backward (I, W) cannot recover its gradient (avoid inplace=True right after it)"
-        )
-    targets = inputs + [item.gradient_target for item in captured]
+    captured, whole = _weights_in_input_backward(captured)
+    targets = inputs + [item.gradient_target for item in captured] + whole
     if not targets or not roots:
         return _zeros_for_unused([None] * len(inputs), inputs), []
     found = torch.autograd.grad(roots, targets, grads, retain_graph=keep_graph, allow_unused=True)
-    input_grads, output_grads = found[: len(inputs)], found[len(inputs) :]
+    input_grads = found[: len(inputs)]
+    output_grads = found[len(inputs) : len(inputs) + len(captured)]
+    _accumulate_each(whole, found[len(inputs) + len(captured) :])
     work = [WeightWork(c, g) for c, g in zip(captured, output_grads, strict=True) if g is not None]
     return _zeros_for_unused(input_grads, inputs), work
+
+
+def _accumulate_each(parameters: list[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for parameter, grad in zip(parameters, grads, strict=True):
+        if grad is None:
+            continue
+        if parameter.grad is None:
+            parameter.grad = grad
+        else:
+            parameter.grad.add_(grad)
 
 
 def backward_weight(work: list[WeightWork]) -> None:
@@ -281,7 +324,8 @@ def backward_weight(work: list[WeightWork]) -> None:
             _rebuilt_weight_grad(captured.module, captured.rebuilt, item.grad)
         elif captured.output is not None:
             params = [p for p in captured.module.parameters(recurse=False) if p.requires_grad]
-            torch.autograd.backward(captured.output, item.grad, inputs=params)
+            # the graph may be shared with another module's W (a module inside this one's computation)
+            torch.autograd.backward(captured.output, item.grad, inputs=params, retain_graph=True)
         else:
             not_rebuilt.append(item)
     if not_rebuilt:
@@ -295,13 +339,7 @@ def _weight_grads_by_rebuilding(work: list[WeightWork]) -> None:
     params = list({id(p): p for item in work for p in _own_parameters(item.captured.module)}.values())
     edges = [item.captured.edge for item in work]
     found = torch.autograd.grad(edges, params, [item.grad for item in work], allow_unused=True)
-    for parameter, grad in zip(params, found, strict=True):
-        if grad is None:
-            continue
-        if parameter.grad is None:
-            parameter.grad = grad
-        else:
-            parameter.grad.add_(grad)
+    _accumulate_each(params, found)
 
 
 def _own_parameters(module: nn.Module) -> list[nn.Parameter]:

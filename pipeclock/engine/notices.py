@@ -9,4 +9,4 @@ from __future__ import annotations
 
 
 class RunWarning(UserWarning):
-    """A fact about the run's configuration, the same on every rank (attention dropout turned off ...)."""
+    """A fact about the run's configuration, the same on every rank (bf16 weights trained as fp32 ...)."""

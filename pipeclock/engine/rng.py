@@ -71,6 +71,12 @@ def _mix_int(*parts: int) -> int:
     return value
 
 
+def key(*parts: int) -> int:
+    """One 32-bit key from integers (a seed, a step, a sample, a layer ...): a hash, distinct for distinct
+    tuples in practice, and the same on every rank."""
+    return _mix_int(*(part & _MASK32 for part in parts))
+
+
 def uniform(shape: torch.Size, key: int, device: torch.device) -> torch.Tensor:
     """Uniform numbers in [0, 1) for a batch of ``shape``, keyed by (``key``, step, sample, element).
 

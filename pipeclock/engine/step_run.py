@@ -301,7 +301,7 @@ class StepRun:
         if not outputs.defers_weights:  # whether this forward's capture is used depends on its shapes
             fed_shape = shape or _shape(pipe.chunks[chunk], chunk, stage_input, self.training)
         with self.meter.measuring(key, stashed, shape) if self.meter else nullcontext():
-            with outputs.capture(fed_shape) as captured:
+            with outputs.capture(fed_shape, pipe.chunks[chunk]) as captured:
                 fed = _copy_floats(stage_input) if pipe.copies_input[chunk] else stage_input
                 output = pipe.chunks[chunk](fed)
             stashed += pytree.leaves(output)

@@ -55,7 +55,8 @@ class _Tie:
 
 
 class TiedGradients:
-    """Sums the gradients of every tied weight over its copies; every rank creates one, together.
+    """Sums the gradients of every tied weight over its copies; every rank of the world creates one,
+    together (on its first step).
 
     ``group`` is the pipeline's process group (default: the world). With data-parallel replicas each
     replica's copies are summed among themselves, over groups that every rank of the world creates.
@@ -67,19 +68,24 @@ class TiedGradients:
         self.ties: list[_Tie] | None = None  # found on the first sync: a collective every rank joins
 
     def _connect(self) -> list[_Tie]:
-        rank = comms.get_rank()
-        pipeline = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        holders = comms.all_gather_object(
-            sorted(self.local), "finding the ranks that share tied weights", self.group
+        """Every rank's (pipeline, place in it, tied keys), gathered over the world, so that every rank
+        creates every tie's group, in one order, whatever pipeline it is in (replicas of one, or
+        pipelines of other lengths running side by side)."""
+        rank, world = comms.get_rank(), comms.get_world_size()
+        if self.group is None:
+            pipeline, place = tuple(range(world)), rank
+        else:
+            pipeline, place = tuple(dist.get_process_group_ranks(self.group)), dist.get_rank(self.group)
+        everyone = comms.all_gather_object(
+            (pipeline, place, sorted(self.local)), "finding the ranks that share tied weights"
         )
-        pipelines = [list(range(len(holders)))]
-        if pipeline is not None:  # every replica's pipeline, so that every rank creates every group
-            found = comms.all_gather_object(pipeline, "finding the pipelines of the mesh")
-            pipelines = sorted({tuple(p) for p in found})
+        pipelines: dict[tuple[int, ...], dict[int, list[str]]] = {}
+        for ranks, where, keys in everyone:
+            pipelines.setdefault(tuple(ranks), {})[where] = keys
         ties = []
-        for key in sorted({key for keys in holders for key in keys}):
-            stages = [s for s, keys in enumerate(holders) if key in keys]
-            for ranks in ([p[s] for s in stages] for p in pipelines):
+        for ranks_of, holders in sorted(pipelines.items()):
+            for key in sorted({key for keys in holders.values() for key in keys}):
+                ranks = [ranks_of[s] for s in sorted(holders) if key in holders[s]]
                 group = dist.new_group(ranks) if len(ranks) > 1 else None  # every rank calls new_group
                 if rank in ranks:
                     ties.append(_Tie(key, self.local[key], ranks, group))

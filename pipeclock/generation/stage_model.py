@@ -43,12 +43,13 @@ class StageModel:
         from pipeclock.models.hf.decoding import HFPromptCache, forward_cached
 
         config = hf.prepared_config(hf_config(run_info))
-        hf.build.stage_cut(hf.layout_of(config), world, None)
+        trusted = bool(run_info.get("trust_remote_code"))
+        hf.build.stage_cut(hf.layout_of(config, trusted), world, None)
         seed = run_info.get("seed", 0)
 
         def among_bytes(stage, inputs: torch.Tensor, cache) -> torch.Tensor:
             out = forward_cached(stage, inputs, cache)
             return out[:BYTES] if stage.has_head else out
 
-        build = lambda r, p: hf.split(config, r, p, seed=seed)  # noqa: E731
+        build = lambda r, p: hf.split(config, r, p, seed=seed, trust_remote_code=trusted)  # noqa: E731
         return cls(run_info["seq_len"], config.hidden_size, build, Decoding(HFPromptCache, among_bytes))

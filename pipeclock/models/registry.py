@@ -21,7 +21,8 @@ def full_model(run: dict) -> nn.Module:
     if run.get("model") == "HF":
         from pipeclock.models import hf
 
-        return hf.whole(hf_config(run), seed=run.get("seed", 0))
+        trusted = bool(run.get("trust_remote_code"))
+        return hf.whole(hf_config(run), seed=run.get("seed", 0), trust_remote_code=trusted)
     return ShardedMLP(run["hidden"], run["layers"], seed=run.get("seed", 0))
 
 
@@ -80,9 +81,14 @@ def differences(saved: dict, wanted: dict) -> list[str]:
 
 
 def hf_config(run: dict):
-    """The Hugging Face config a checkpoint's run description holds."""
+    """The Hugging Face config a checkpoint's run description holds (a model with its own code: the
+    config of the directory that code is in, trusted as the run trusted it)."""
     from transformers import AutoConfig
 
+    if run.get("trust_remote_code"):
+        from pipeclock.models import hf
+
+        return hf.config_of(run["trust_remote_code"], trust_remote_code=True)
     return AutoConfig.for_model(**run["hf_config"])
 
 

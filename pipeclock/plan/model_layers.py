@@ -131,7 +131,7 @@ def _hf_spec(args: argparse.Namespace):
     if positions is not None and args.seq_len > positions:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {positions} positions")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # attention dropout turned off: training warns, a plan need not
+        warnings.simplefilter("ignore")  # a conversion to float32 master weights: training says it
         return hf_spec(config, args.seq_len)
 
 

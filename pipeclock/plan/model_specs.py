@@ -91,7 +91,7 @@ def hf_spec(config, seq_len: int, seed: int = 0) -> ModelSpec:
 
     def name(i: int) -> str:
         if i == 0:
-            return f"{layout.base}.{layout.input_embedding}"
+            return layout.input_embedding
         return layout.head if i == last else f"{layout.base}.{layout.layers}.{i - 1}"
 
     def batch(n: int) -> tuple:

@@ -46,21 +46,22 @@ class HFTask(LanguageTask):
         from pipeclock.models.hf.tokens import Tokens, has_tokenizer
 
         self.source = hf_source(config)
-        self.hf_config = hf.prepared_config(hf.config_of(self.source))
-        self.layout = hf.layout_of(self.hf_config)
+        self.trusted = config.trust_remote_code
+        self.hf_config = hf.prepared_config(hf.config_of(self.source, self.trusted))
+        self.layout = hf.layout_of(self.hf_config, self.trusted)
         given = config.hf_model and has_tokenizer(self.source)
         self.tokens = Tokens(self.source) if given else None
         self._check_fits(config)
         super().__init__(config)
+        self.bytes = self.corpus  # the bigram baseline reads the text as bytes
         if self.tokens is not None:
-            self.bytes = self.corpus  # the bigram baseline reads the text as bytes
             self.corpus = self.corpus.tokenized(self.tokens.encode, self.tokens.name)
             self.corpus.check_fits(config.seq_len)
             self.validation = self.corpus.validation_batches(
                 config.batch_size, config.seq_len, max(1, config.eval_batches)
             )
-        self.loss_fn = hf.loss()
-        self.validation = [(inputs, inputs) for inputs, _ in self.validation]
+        self.loss_fn = hf.loss(self.hf_config)
+        self.validation = [(inputs, inputs) for inputs, _ in self.validation]  # HF's loss shifts them
 
     def _check_fits(self, config) -> None:
         from pipeclock.models.hf import MIN_BYTE_VOCABULARY
@@ -86,7 +87,7 @@ class HFTask(LanguageTask):
         weights = self.source if self.config.hf_model else None
         chunks = hf.split(
             self.hf_config, rank, world, chunks=len(placement.stages[rank]), placement=placement,
-            balance=cut, seed=self.config.seed, weights=weights,
+            balance=cut, seed=self.config.seed, weights=weights, trust_remote_code=self.trusted,
         )  # fmt: skip
         return chunks if isinstance(chunks, list) else [chunks]
 
@@ -106,10 +107,12 @@ class HFTask(LanguageTask):
         return bits_per_byte(loss / self.corpus.validation_bytes_per_token)
 
     def baseline_bits_per_byte(self) -> float:
-        if self.tokens is None:
-            return super().baseline_bits_per_byte()
-        batch = self.config.batch_size
-        windows = self.bytes.validation_batches(batch, self.config.seq_len, max(1, self.config.eval_batches))
+        """The bigram byte model on the validation text's (byte, next byte) pairs: the GPT's windows of
+        the same corpus, so both tasks print the same figure (the model's own pairs are (inputs,
+        inputs), which HF's loss shifts: scored as they are, they would pair each byte with itself)."""
+        windows = self.bytes.validation_batches(
+            self.config.batch_size, self.config.seq_len, max(1, self.config.eval_batches)
+        )
         return bigram_bits_per_byte(self.bytes, windows)
 
     def model_name(self) -> str:
@@ -124,4 +127,6 @@ class HFTask(LanguageTask):
             "seq_len": self.config.seq_len,
             "corpus_sha256": self.corpus.sha256,
             **({"tokenizer": str(self.tokens.directory)} if self.tokens is not None else {}),
+            # the model's own code stays where it was: export and generate read it from there again
+            **({"trust_remote_code": str(Path(self.source).resolve())} if self.trusted else {}),
         }

@@ -96,6 +96,7 @@ class TrainConfig:
     balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
     hf_config: str | None = None  # --model hf: a config.json (or its directory), random weights
     hf_model: str | None = None  # --model hf: a local from_pretrained directory, its weights
+    trust_remote_code: bool = False  # --model hf: run the model's own Python code (a config's auto_map)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:

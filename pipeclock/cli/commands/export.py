@@ -165,8 +165,9 @@ def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
         print(f"pipeclock export: error: {error}", file=sys.stderr)
         return 2
     try:
+        trusted = bool(run_info.get("trust_remote_code"))
         with _written_whole(output, state) as partial:
-            save_pretrained(state, hf_config(run_info), partial)
+            save_pretrained(state, hf_config(run_info), partial, trust_remote_code=trusted)
             if tokens is not None:
                 tokens.save(partial)
     except WriteFailed as error:

@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--model hf: a local from_pretrained directory (config.json and safetensors weights)",
     )  # fmt: skip
     parser.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="--model hf: run the Python code a config names (auto_map), for a model transformers does "
+        "not know; off by default: only for code you have read or trust",
+    )  # fmt: skip
+    parser.add_argument(
         "--schedule", default=defaults.schedule, choices=list(SCHEDULES), metavar="NAME",
         help=f"the pipeline schedule: {', '.join(SCHEDULES)} (default {defaults.schedule}); the number of "
         "stages is the number of processes torchrun starts (--nproc-per-node)",
