@@ -15,6 +15,7 @@ their process group still costs something, so tests put many cases into one call
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -83,6 +84,46 @@ def run_ranks(
     finished waits for the others before leaving; without it, it leaves at once, as a process that
     caught an error would.
     """
+    return start_ranks(fn, world_size, *args, timeout=timeout, deadline=deadline, linger=linger).outcomes()
+
+
+class Started:
+    """Ranks started by `start_ranks`, running while the test does something else (another launch)."""
+
+    def __init__(self, procs: list, results, end: float):
+        self._procs, self._results, self._end = procs, results, end
+        self._outcomes: list[RankOutcome] | None = None
+
+    def outcomes(self) -> list[RankOutcome]:
+        """Every rank's outcome, once all are done or the deadline has passed (what `run_ranks` returns)."""
+        if self._outcomes is None:
+            found = _collect(self._procs, self._results, self._end - time.monotonic())
+            self._outcomes = [found[rank] for rank in range(len(self._procs))]
+        return self._outcomes
+
+    def values(self) -> list[Any]:
+        """Each rank's value, asserting every rank succeeded (what `run_ok` returns)."""
+        failed = [o for o in self.outcomes() if not o.ok]
+        if failed:
+            raise RanksFailed("\n".join(_describe(o) for o in failed))
+        return [o.value for o in self.outcomes()]
+
+    def stop(self) -> None:
+        """Kill the ranks still running (a test that failed before it waited for them)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+
+
+def start_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    deadline: float = 240.0,
+    linger: bool = True,
+) -> Started:
+    """`run_ranks`, without waiting: the deadline counts from now."""
     context = _rank_server()
     results = context.Queue()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -91,10 +132,10 @@ def run_ranks(
         context.Process(target=_rank_main, args=(rank, env, timeout, linger, fn, args, results), daemon=True)
         for rank in range(world_size)
     ]
+    end = time.monotonic() + deadline
     for proc in procs:
         proc.start()
-    outcomes = _collect(procs, results, deadline)
-    return [outcomes[rank] for rank in range(world_size)]
+    return Started(procs, results, end)
 
 
 def _rank_server() -> mp.context.BaseContext:
@@ -109,11 +150,28 @@ def _rank_server() -> mp.context.BaseContext:
 
 def run_ok(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
     """``run_ranks``, asserting every rank succeeded; returns each rank's value."""
-    outcomes = run_ranks(fn, world_size, *args, **kwargs)
-    failed = [o for o in outcomes if not o.ok]
-    if failed:
-        raise RanksFailed("\n".join(_describe(o) for o in failed))
-    return [o.value for o in outcomes]
+    return start_ranks(fn, world_size, *args, **kwargs).values()
+
+
+@dataclass
+class Printed:
+    """What a command said on one rank: its exit code, its standard output and its standard error."""
+
+    code: int
+    out: str
+    err: str
+
+
+def command(rank: int, world_size: int, argv: list[str]) -> Printed:
+    """``python -m pipeclock ARGV`` on this rank (``pipeclock.cli.main``), as torchrun would start it but
+    without torchrun's agent: for a job whose test needs the command, not the launcher (its restarts, its
+    signals). Run it with ``start_ranks(command, world, argv)``."""
+    from pipeclock import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return Printed(code, out.getvalue(), err.getvalue())
 
 
 def _describe(outcome: RankOutcome) -> str:
@@ -124,11 +182,13 @@ def _describe(outcome: RankOutcome) -> str:
 
 
 def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
+    """Each rank's outcome, waiting at most ``deadline`` more seconds; those still running are killed."""
     outcomes: dict[int, RankOutcome] = {}
     end = time.monotonic() + deadline
-    while len(outcomes) < len(procs) and time.monotonic() < end:
+    while len(outcomes) < len(procs):
+        in_time = time.monotonic() < end  # past the deadline, only what is already queued is read
         try:
-            outcome = pickle.loads(results.get(timeout=0.2))
+            outcome = pickle.loads(results.get(timeout=0.2 if in_time else 0))
             outcomes[outcome.rank] = outcome
         except Exception:
             for rank, proc in enumerate(procs):
@@ -136,6 +196,8 @@ def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
                     outcomes[rank] = RankOutcome(
                         rank, error_type="died", error="no result", exitcode=proc.exitcode
                     )
+            if not in_time:
+                break
     for rank, proc in enumerate(procs):
         proc.join(timeout=5 if rank in outcomes else 0)
         if proc.is_alive():
