@@ -1,12 +1,13 @@
 """Checkpoints: a resumed run is the uninterrupted run, whatever the stages, a dead rank, a killed save or
 a damaged checkpoint; what a resume takes from the checkpoint and what from the flags; --keep-last.
 
-Every run is real: ``torchrun ... -m pipeclock train`` processes, or gloo processes from
-``tests.distributed``. Starting processes costs seconds, so the runs are made once, in two waves of
-concurrent launches (``runs``), and the tests below compare what they left: their losses (JSON, exact
-floats), their logs and their checkpoints. The reference run's processes go on to resume damaged copies of
-its own checkpoints (``_resumes``), so those cases cost no launch of their own; the damage that export
-must name is done to copies in the test process.
+Every run is real: the train command (``pipeclock train ...``) or the training loop on gloo processes
+from ``tests.distributed``, as torchrun would start them (torchrun's own part, its restarts, is tested in
+tests/test_data_parallel_runs.py and tests/test_faults.py). Starting processes costs time, so the runs
+are made once, in two waves of concurrent launches (``runs``), and the tests below compare what they
+left: their losses (JSON, exact floats), their logs and their checkpoints. The reference run's processes
+go on to resume damaged copies of its own checkpoints (``_resumes``), so those cases cost no launch of
+their own; the damage that export must name is done to copies in the test process.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.model import ShardedMLP
 from pipeclock.training.loop import TrainConfig, train
 from tests.checkpoint_damage import damages, flip_a_byte, truncate
-from tests.distributed import run_ok, run_ranks
-from tests.jobs import Launch, losses_of
+from tests.distributed import Started, command, run_ok, run_ranks, start_ranks
+from tests.jobs import LAUNCH_TIMEOUT, losses_of
 
 MODEL = {"hidden": 32, "layers": 8, "batch_size": 16, "microbatches": 4}
 STEPS = 20
@@ -177,25 +178,32 @@ class Runs:
         return self.reference[0]["losses"]
 
 
+def _log(job: Started) -> str:
+    """What a train job printed (rank 0 speaks for the run), after asserting that every rank succeeded."""
+    printed = job.values()
+    assert all(rank.code == 0 for rank in printed), [(rank.code, rank.err) for rank in printed]
+    return "".join(rank.out for rank in printed)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Iterator[Runs]:
     tmp = tmp_path_factory.mktemp("checkpoints")
     d, j = tmp.joinpath, (lambda name: tmp / f"{name}.json")
-    started: list[Launch] = []
+    started: list[Started] = []
 
-    def train_job(name: str, stages: int, **options) -> Launch:
+    def train_job(name: str, stages: int, **options) -> Started:
         flags = [
             "train",
             *_flags(checkpoint_dir=d(options.pop("directory", name)), losses=j(name), **options),
         ]
-        started.append(Launch(d(name), stages, flags))
+        started.append(start_ranks(command, stages, flags, deadline=LAUNCH_TIMEOUT))
         return started[-1]
 
     probe = torch.randn(5, MODEL["hidden"], generator=torch.Generator().manual_seed(1))
     try:
         first = {"halt": train_job("halt", 2, steps=10), "four": train_job("four", 4, steps=10)}
         reference = run_ok(_train_then_chain_the_stages, 2, str(d("reference")), probe, timeout=60)
-        logs = {name: launch.result() for name, launch in first.items()}
+        logs = {name: _log(job) for name, job in first.items()}
         shutil.copytree(d("four"), d("four_to_2"))
         second = {
             "resume": train_job("resume", 2, directory="halt", steps=STEPS, resume=True),
@@ -211,11 +219,11 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
             ),
         }
         killed_save = run_ranks(_die_while_saving_step_10, 2, str(d("killed_save")), timeout=60, linger=False)
-        logs |= {name: launch.result() for name, launch in second.items()}
+        logs |= {name: _log(job) for name, job in second.items()}
         yield Runs(tmp, reference, logs, killed_save)
     finally:
-        for launch in started:
-            launch.stop()
+        for job in started:
+            job.stop()
 
 
 # --- the properties ------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def run_lab_command(number: int, *args: str) -> str:
     return done.stdout
 
 
-def test_lab1_baseline_learns_by_a_large_factor(monkeypatch, capsys):
-    out = run_lab_in_process("01_baseline.py", [], monkeypatch, capsys)
+def test_lab1_baseline_learns_by_a_large_factor():
+    out = run_once("python -m pipeclock lab 1").output()  # the run its page quotes
     assert "parameters: 1,052,672 (4.0 MiB of fp32 weights)" in out
     fell = r"loss fell from ([\d.]+) at step 0 to ([\d.]+) at step 99 \((\d+)x\); the last 5 steps average "
     first, last, factor = re.search(fell, out).groups()
@@ -48,8 +48,8 @@ def test_lab1_baseline_learns_by_a_large_factor(monkeypatch, capsys):
     assert re.search(r"step time [\d.]+ ms \(median\), [\d,]+ samples/s", out)
 
 
-def test_lab2_prints_the_memory_wall_and_the_split_matches_the_whole_model(monkeypatch, capsys):
-    out = run_lab_in_process("02_manual_split.py", ["--steps", "5"], monkeypatch, capsys)
+def test_lab2_prints_the_memory_wall_and_the_split_matches_the_whole_model():
+    out = run_once("python -m pipeclock lab 2").output()  # the run its page quotes: 20 steps
     assert re.search(r"weights alone\s+40 GB\s+vs 24 GB on an RTX 4090", out)
     assert re.search(r"Adam's two moments\s+160 GB", out)
     assert "devices to train with Adam:       7" in out
