@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from pipeclock.engine.notices import RunWarning
 from pipeclock.engine.ties import tie_key
 from pipeclock.models import hf
 from tests.hf_cases import gpt2_config, llama_config, padded_batch
@@ -134,7 +135,7 @@ def test_what_cannot_be_split_is_one_clear_line(tmp_path):
 
     assert "encoder-decoder" in one_line_error(lambda: hf.split(T5Config(), 0, 2))
     assert "not a causal language model" in one_line_error(lambda: hf.split(ViTConfig(), 0, 2))
-    assert "BertLMHeadModel" in one_line_error(lambda: hf.split(BertConfig(), 0, 2))  # its head is nested
+    assert "encoder models are not causal LMs" in one_line_error(lambda: hf.split(BertConfig(), 0, 2))
     assert "cannot be cut into 9 stages" in one_line_error(lambda: hf.split(llama_config(), 0, 9))
     small = tmp_path / "small"
     gpt2_config().save_pretrained(str(small))  # 300 tokens: enough
@@ -208,7 +209,7 @@ def test_a_bfloat16_checkpoint_trains_float32_master_weights_and_says_so(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    with pytest.warns(UserWarning, match="weights stored as bfloat16 are trained as float32 master weights"):
+    with pytest.warns(RunWarning, match="weights stored as bfloat16 are trained as float32 master weights"):
         stages = hf.split(str(tmp_path), 0, 1)
     stored = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).state_dict()
     for name, parameter in stages.named_parameters():
@@ -319,7 +320,7 @@ def test_a_models_own_code_runs_only_when_trusted_and_says_so(tmp_path, capsys):
     model_with_its_own_code(tmp_path / "own")
     message = one_line_error(lambda: hf.split(str(tmp_path / "own"), 0, 2))
     assert "holds the model's own Python code (auto_map): pass trust_remote_code=True" in message
-    with pytest.warns(UserWarning, match="trust_remote_code: running the model's own Python code"):
+    with pytest.warns(RunWarning, match="trust_remote_code: running the model's own Python code"):
         config = hf.config_of(str(tmp_path / "own"), trust_remote_code=True)
     stage = hf.split(config, 1, 2, trust_remote_code=True)
     assert type(stage._runner).__name__ == "TinyForCausalLM"  # the stage runs the model's own class

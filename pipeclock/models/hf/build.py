@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeclock.engine.notices import RunWarning
 from pipeclock.engine.ties import tie
 from pipeclock.models.hf.randomness import keyed, name_key
 from pipeclock.models.hf.refused import refuse_known
 from pipeclock.models.hf.routers import RouterLogits
 from pipeclock.models.hf.stage import HFStage
-from pipeclock.models.hf.structure import Layout, NotUnderstood
+from pipeclock.models.hf.structure import Layout, NotUnderstood, check_causal
 from pipeclock.models.hf.weights import load_weights
 
 MIN_BYTE_VOCABULARY = 256
@@ -44,6 +45,7 @@ def prepared_config(config):
     The config of an encoder-decoder family (BART, Whisper ...) becomes what ``AutoModelForCausalLM``
     makes of it: its decoder alone, a causal LM (refused when the family has none)."""
     refuse_known(config)
+    check_causal(config)
     config = copy_config(config)
     _train_in_float32(config)
     if getattr(config, "is_encoder_decoder", False):
@@ -62,6 +64,7 @@ def _train_in_float32(config) -> None:
         warnings.warn(
             f"{type(config).__name__}: weights stored as {name} are trained as float32 master weights "
             "(--dtype bf16 computes in bfloat16 over them)",
+            RunWarning,
             stacklevel=4,
         )
     config.dtype = torch.float32
@@ -84,6 +87,7 @@ def remote_code(trusted: bool, where) -> Iterator[None]:
         warnings.warn(
             f"trust_remote_code: running the model's own Python code from {where}; "
             "use it only with code you have read or trust",
+            RunWarning,
             stacklevel=4,
         )
     try:

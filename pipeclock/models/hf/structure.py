@@ -64,6 +64,22 @@ class Layout:
         return causal_lm.get_submodule(self.base)
 
 
+def check_causal(config) -> None:
+    """Refuse an encoder config (BERT's kind, unless made a decoder) before anything is built:
+    ``AutoModelForCausalLM`` has a class for some encoders, which would fail later in other words. An
+    encoder-decoder config passes: its decoder alone is split (`build.prepared_config`)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return
+    kind = getattr(config, "model_type", "")
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise NotUnderstood(
+            f"{type(config).__name__} describes an encoder model ({kind}): encoder models are not causal "
+            "LMs; pipeclock.models.hf splits decoder-only causal language models"
+        )
+
+
 def find_layout(model: nn.Module) -> Layout:
     """The layout of ``model`` (built on any device, the meta one included), or `NotUnderstood`."""
     name = type(model).__name__
