@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint format docs bench clean
+.PHONY: demo test test-slow lint format docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 2 -m pipeclock train --schedule 1f1b --trace runs/demo/trace.json --png runs/demo/timeline.png
 
 # -q -ra --tb=short: short tracebacks, and the failures' one-line summary last, where a CI log's tail shows it.
+# -m "not long": the tests that take minutes (the Hugging Face family sweep) are test-slow's.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 tests
+	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 -m "not long" tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 -m long tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

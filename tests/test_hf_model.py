@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from pipeclock.engine.notices import RunWarning
 from pipeclock.engine.ties import tie_key
 from pipeclock.models import hf
 from tests.hf_cases import gpt2_config, llama_config, padded_batch
@@ -208,7 +209,7 @@ def test_a_bfloat16_checkpoint_trains_float32_master_weights_and_says_so(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
-    with pytest.warns(UserWarning, match="weights stored as bfloat16 are trained as float32 master weights"):
+    with pytest.warns(RunWarning, match="weights stored as bfloat16 are trained as float32 master weights"):
         stages = hf.split(str(tmp_path), 0, 1)
     stored = LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).state_dict()
     for name, parameter in stages.named_parameters():
@@ -223,6 +224,51 @@ def moe_families():
                  num_key_value_heads=2, vocab_size=300, num_experts_per_tok=2)  # fmt: skip
     return [MixtralConfig(**sizes, num_local_experts=4), Qwen3MoeConfig(**sizes, num_experts=4,
                                                                        moe_intermediate_size=16)]  # fmt: skip
+
+
+def aux_loss_families():
+    """Mixtral, Qwen2-MoE and Qwen3-MoE with their routers' auxiliary loss in the loss."""
+    from transformers import Qwen2MoeConfig
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, num_experts_per_tok=2)  # fmt: skip
+    qwen2 = Qwen2MoeConfig(
+        **sizes, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    )
+    configs = [*moe_families(), qwen2]
+    for config in configs:
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+    return configs
+
+
+@pytest.mark.parametrize("config", aux_loss_families(), ids=lambda c: type(c).__name__)
+def test_the_routers_auxiliary_loss_is_summed_across_stages_as_transformers_adds_it(config):
+    """One step on 1, 3 and 5 stages (every layer alone): the loss and gradients of transformers' own
+    ``model(ids, attention_mask, labels=labels)``, auxiliary loss included (it moves the loss)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeclock import schedule
+    from pipeclock.engine.ties import tie_key
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(hf.prepared_config(config))
+    hf.keyed(model, 5)
+    inputs, labels = padded_batch(4, 8, seed=3)
+    out = model(input_ids=inputs[0], attention_mask=inputs[1], labels=labels)
+    out.loss.backward()
+    assert out.aux_loss.item() > 0.1, "the auxiliary loss counts"
+    for chunks in (1, 3, 5):
+        stages = hf.split(model, 0, 1, chunks=chunks, seed=5)
+        stages = stages if isinstance(stages, list) else [stages]
+        name = "interleaved-1f1b" if chunks > 1 else "1f1b"
+        loss = schedule.Pipeline(stages, name, 1, hf.loss(config)).step(inputs, labels)
+        assert loss == pytest.approx(out.loss.item(), rel=1e-6), chunks
+        wanted = dict(model.named_parameters())
+        for stage in stages:
+            for name, parameter in stage.named_parameters():
+                want = wanted[tie_key(parameter) or name].grad
+                assert torch.allclose(parameter.grad, want, rtol=1e-5, atol=1e-7), (chunks, name)
 
 
 @pytest.mark.parametrize("config", moe_families(), ids=lambda c: type(c).__name__)
@@ -274,7 +320,7 @@ def test_a_models_own_code_runs_only_when_trusted_and_says_so(tmp_path, capsys):
     model_with_its_own_code(tmp_path / "own")
     message = one_line_error(lambda: hf.split(str(tmp_path / "own"), 0, 2))
     assert "holds the model's own Python code (auto_map): pass trust_remote_code=True" in message
-    with pytest.warns(UserWarning, match="trust_remote_code: running the model's own Python code"):
+    with pytest.warns(RunWarning, match="trust_remote_code: running the model's own Python code"):
         config = hf.config_of(str(tmp_path / "own"), trust_remote_code=True)
     stage = hf.split(config, 1, 2, trust_remote_code=True)
     assert type(stage._runner).__name__ == "TinyForCausalLM"  # the stage runs the model's own class

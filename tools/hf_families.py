@@ -4,6 +4,10 @@
 layers, experts, state sizes, vocabulary), keeping the ratios a family's code checks (head dim times
 heads, groups dividing heads, per-layer lists as long as the layers). Nothing is written per family
 except where a family's defaults cannot be shrunk by these rules: `OVERRIDES`.
+
+What draws random numbers is turned on, so that the sweep sees it keyed: every dropout field at 0.1
+(LayerDrop included), a router's jitter at 0.01, and the routers' auxiliary loss
+(``output_router_logits``) wherever a family has it.
 """
 
 from __future__ import annotations
@@ -98,8 +102,24 @@ def tiny_config(model_type: str):
         warnings.simplefilter("ignore")
         default = cls()
         values = _shrunk(default.to_dict())
+        if _asks_for_decoder(model_type):
+            values["is_decoder"] = True  # an encoder family's causal LM: its decoder form
         values.update(OVERRIDES.get(model_type, {}))
         return cls(**{k: v for k, v in values.items() if k not in ("transformers_version", "model_type")})
+
+
+def _asks_for_decoder(model_type: str) -> bool:
+    """Whether the type's CausalLM needs ``is_decoder=True`` to be causal (BERT and its kin)."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    try:
+        return cls is not None and "is_decoder" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
 
 
 def _shrunk(values: dict) -> dict:
@@ -120,6 +140,10 @@ def _shrunk(values: dict) -> dict:
             out[key] = [SIZES[key]] * min(len(value), LAYERS) if layers and len(value) == layers else value
         elif isinstance(value, list) and layers and len(value) == layers:
             out[key] = value[:LAYERS]
+        elif _draws(key) and isinstance(value, float) and not isinstance(value, bool):
+            out[key] = 0.01 if "jitter" in key else 0.1
+        elif key == "output_router_logits":
+            out[key] = True
         elif key in TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1
         elif key in TOKEN_IDS and isinstance(value, list):
@@ -138,6 +162,13 @@ def _keep_head_ratio(values: dict, out: dict) -> None:
             out[kv] = out[heads] if have == want else (1 if have == 1 else out[kv])
 
 
+def _draws(key: str) -> bool:
+    """A probability the model draws random numbers with in training (dropout, LayerDrop, jitter)."""
+    return ("dropout" in key or "pdrop" in key or "layerdrop" in key or "jitter" in key) and (
+        "classifier" not in key
+    )
+
+
 def _layer_count(values: dict) -> int | None:
     for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
         if isinstance(values.get(key), int):
@@ -147,6 +178,7 @@ def _layer_count(values: dict) -> int | None:
 
 # what the rules above cannot shrink (a family's own constraints between fields)
 OVERRIDES: dict[str, dict] = {
+    "diffllama": {"attention_dropout": 0.0},  # refused by its model: "no paper-backed" dropout there
     "bamba": {"mamba_n_heads": 8},
     "granitemoehybrid": {"mamba_n_heads": 8},
     "mamba2": {"num_heads": 8},

@@ -8,17 +8,19 @@ projection), the logit scaling or soft-capping of the head: all of it is the fam
 
 Where a stage starts and ends:
 
-- the first stage runs the embeddings; a stage that holds no embedding is fed ``inputs_embeds`` of NaN
-  (the base model reads only their shape and dtype there: a value read by mistake would show as NaN);
+- every stage is fed the token ids (they travel with the hidden states: DeepSeek-V4's layers route by
+  them); a stage without the embeddings runs stand-ins for them that give NaN of their output's shape
+  (the base model reads only the shape and dtype there: a value read by mistake would show as NaN);
 - a stage without the head stops when its last layer returns, and sends that layer's output, as it is
   (a tensor, or the tuple some families return); the embedding's stage alone sends the first layer's
   input;
 - the next stage's slot for that last layer returns the received output (and every slot before it,
-  whose value is never used, the same), so the base model's loop goes on exactly as it would have.
+  whose value is never used, the same), so the base model's loop goes on exactly as it would have;
+  where LayerDrop skipped that layer, the received hidden states go into the first layer it calls.
 
 What travels is plain tensors: a tensor when the layer output is all there is, else a dict of the
-output's tensors, the ``attention_mask`` (int64, forward only) and, when the loss needs them, the
-routers' logits of the layers so far (`routers`). Positions are the model's own default,
+output's tensors, the token ids and ``attention_mask`` (int64, forward only) and, when the loss needs
+them, the routers' logits of the layers so far (`routers`). Positions are the model's own default,
 ``0 .. tokens - 1``, rebuilt on every stage, as ``model(input_ids, attention_mask, labels=...)`` does.
 """
 
