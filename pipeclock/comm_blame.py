@@ -32,8 +32,10 @@ import torch.distributed as dist
 # On an error path: a busy store gets time to answer, a store that is gone fails at once. Each call to the
 # store runs in a thread of its own, waited for at most this long: a store whose process is dying may
 # accept a connection and never answer, and a client then waits past any timeout it was given, while
-# torchrun kills a rank it stopped 30 s later: this rank's one line must come before.
-_STORE_TIMEOUT = datetime.timedelta(seconds=5)
+# torchrun kills a rank it stopped 30 s later: this rank's one line must come before. An error path makes
+# three calls at most (connect, leave a note, read the notes): 3 x 8 s leaves 6 s of the 30, and a busy
+# machine's store 8 s to answer (5 s was once too few at a load of 18 on 2 cores).
+_STORE_TIMEOUT = datetime.timedelta(seconds=8)
 T = TypeVar("T")
 _store: dist.Store | None = None
 _unreachable = False  # tried once, and the store was not there: not tried again (each try waits)

@@ -156,7 +156,7 @@ def _chain_to_layers(path: str, base: nn.Module, name: str) -> list[tuple[str, n
             found = ", ".join(n for n, _ in below) or "none"
             raise NotUnderstood(
                 f"{name}: no one decoder layer list found under {type(base).__name__} (parts holding "
-                f"layers: {found}; of a multimodal model, give the config of its text model)"
+                f"layers: {found}); of a multimodal model, give the config of its text model"
             )
         child_name, base = below[0]
         path = f"{path}.{child_name}"
