@@ -4,7 +4,8 @@ On every layout (dp x pp x tp) and schedule tried, one step of the MLP, the GPT 
 token targets, dropout) and a Hugging Face Llama (grouped-query attention; untied, and tied) split by
 their own plans leaves the loss, every gradient (each split gradient gathered whole) and the gradient
 norm within 1e-5 relative of the whole model's on one process for the whole batch. Every schedule runs
-at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split.
+at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split; so are tp ranks given
+different batches, before the step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pipeclock import parallel, schedule
 from pipeclock.engine import program, rng
 from pipeclock.engine.generators import generate
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.orchestrator import BatchRefused
 from pipeclock.engine.ties import tie_key
 from pipeclock.models import gpt, mlp
 from pipeclock.parallel.mesh import mesh_layout, pipelines
@@ -301,21 +303,78 @@ def test_tp2_gives_the_one_process_loss_gradients_and_norm_for_the_mlp_the_gpt_a
     check(2, TP2, [found for found, _ in two_ranks])
 
 
-def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm():
-    at_pp2 = [
-        ("llama", "naive", 2),
-        ("mlp", "gpipe", 3),
-        ("gpt", "1f1b", 3),
-        ("llama-tied", "1f1b", 3),
-        ("llama", "interleaved-1f1b", 2),
-        ("mlp", "zb-h1", 3),
-        ("gpt", "zb-v", 3),
-        ("mlp", "dualpipev", 2),
-        ("llama", "dualpipev", 3),
-    ]
-    dp2 = [("mlp", "1f1b", 2), ("gpt", "1f1b", 3), ("llama", "zb-h1", 2)]
-    assert {name for _, name, _ in at_pp2} == set(SCHEDULE_CHUNKS)
-    check(4, [(1, 2, at_pp2), (2, 2, dp2)])
+def different_batches(rank: int, world: int) -> dict[str, str | float]:
+    """At pp 2 x tp 2: a step whose tp ranks were given different inputs (the same samples, in another
+    order), one whose last stage's tp ranks were given different targets, then a step of one batch:
+    what each raised on this rank, and the last one's loss. The tp group is found from the chunks."""
+    mesh = parallel.init_mesh(1, 2)
+    pp, tp = mesh["pp"].size(), parallel.tp_rank(mesh)
+    chunks = mlp.ShardedMLP.for_rank(MLP_WIDTH, MLP_LAYERS, parallel.pp_rank(mesh), pp, seed=3)
+    parallel.tensor_parallel(chunks, mesh, mlp.tp_plan(MLP_WIDTH, mlp.partition(MLP_LAYERS, pp), 2))
+    pipe = schedule.Pipeline(chunks, "1f1b", 2, F.mse_loss, group=mesh.get_group("pp"))
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randn(4, MLP_WIDTH, generator=generator) for _ in range(2))
+    found: dict[str, str | float] = {}
+    for case, batch in {
+        "inputs": (inputs.flip(0) if tp == 1 else inputs, targets),
+        "targets": (inputs, targets + tp),
+    }.items():
+        try:
+            pipe.step(*batch)
+            found[case] = "accepted"
+        except BatchRefused as error:
+            found[case] = str(error)
+    found["then"] = pipe.step(inputs, targets)
+    return found
+
+
+def on_four_ranks(rank: int, world: int, runs) -> tuple[dict, dict]:
+    return layouts(rank, world, runs), different_batches(rank, world)
+
+
+AT_PP2 = [
+    ("llama", "naive", 2),
+    ("mlp", "gpipe", 3),
+    ("gpt", "1f1b", 3),
+    ("llama-tied", "1f1b", 3),
+    ("llama", "interleaved-1f1b", 2),
+    ("mlp", "zb-h1", 3),
+    ("gpt", "zb-v", 3),
+    ("mlp", "dualpipev", 2),
+    ("llama", "dualpipev", 3),
+]
+DP2 = [("mlp", "1f1b", 2), ("gpt", "1f1b", 3), ("llama", "zb-h1", 2)]
+FOUR_RANKS = [(1, 2, AT_PP2), (2, 2, DP2)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[tuple[dict, dict]]:
+    """One launch of four processes for the tests at pp 2 x tp 2 and dp 2 x tp 2."""
+    return run_ok(on_four_ranks, 4, FOUR_RANKS, deadline=600)
+
+
+def test_tp_ranks_given_different_batches_are_refused_on_every_rank_in_one_line_before_the_step(four_ranks):
+    first, last = {0: 0, 1: 1, 2: 0, 3: 1}, {0: 2, 1: 3, 2: 2, 3: 3}
+    for rank, (_, found) in enumerate(four_ranks):
+        reads = {"inputs": rank < 2, "targets": rank >= 2}
+        for end, stage, peers, owner in (
+            ("inputs", "first", "0, 1", first),
+            ("targets", "last", "2, 3", last),
+        ):
+            message = found[end]
+            if reads[end]:  # a rank that was given it says what differs
+                want = f"the tp ranks of the {stage} stage (ranks {peers}) were given different {end}"
+            else:
+                want = f"the {stage} stage (rank {owner[rank]}) and its tp peers were given different {end}"
+            want = f"rank {rank}: {want}"
+            assert message.startswith(want) and "\n" not in message, (rank, end, message)
+    losses = [found["then"] for _, found in four_ranks]
+    assert len(set(losses)) == 1 and 0 < losses[0] < float("inf"), losses  # the pipeline goes on
+
+
+def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm(four_ranks):
+    assert {name for _, name, _ in AT_PP2} == set(SCHEDULE_CHUNKS)
+    check(4, FOUR_RANKS, [found for found, _ in four_ranks])
 
 
 @pytest.mark.slow
