@@ -60,6 +60,10 @@ class StepRecord:
     peak_activation_bytes: int | None
     syncs: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each dp gradient sum
     sent_bytes: int = 0  # activations and gradients this rank sent to its pipeline neighbours
+    # time inside tensor parallel's collectives and their number, where the step was profiled for them
+    # (``pipeclock.observe.collectives``); None: not profiled
+    collective_seconds: float | None = None
+    collective_calls: int = 0
 
     @property
     def sync_seconds(self) -> float:
