@@ -5,22 +5,23 @@
     python -m benchmarks.tensor_parallel --smallest --out /tmp/tp.json  # a quick check
 
 Four gloo processes on the CPU form one ``(dp 1, pp 2, tp 2)`` mesh (``parallel.init_mesh``). For each
-model, the GPT and a Hugging Face Llama, every rank builds its stage twice from the same seed and splits
-both copies with ``parallel.tensor_parallel``: the model's own plan, torch's ``parallelize_module``, the
-same mesh. One copy runs under pipeclock's ``Pipeline``, the other under torch's ``PipelineStage`` over the
-mesh's ``"pp"`` group and ``Schedule1F1B``; both take the same batch, 1F1B, the same micro-batches. The
-engines alternate step by step (pipeclock, torch, torch, pipeclock, ...), so a change in the machine's
-load falls on both. A step's time runs from the earliest rank's start to the latest rank's end (every
-rank starts after a barrier); the ratio pipeclock / torch is the median over rounds of the two
-back-to-back steps' ratio, given beside the ratio of the median steps, the ratio of the CPU time all
-ranks spent (what each engine asks of the cores, whoever else uses them) and the steps that other
-processes left quiet (``benchmarks.load``).
+model, the GPT and a Hugging Face Llama, every rank builds its stage once per engine from the same seed
+and splits every copy with ``parallel.tensor_parallel``: the model's own plan, torch's
+``parallelize_module``, the same mesh. Two copies run under pipeclock's ``Pipeline`` (see below), one
+under torch's ``PipelineStage`` over the mesh's ``"pp"`` group and ``Schedule1F1B``; all take the same
+batch, 1F1B, the same micro-batches. The engines take turns step by step, another one first in each
+round, so a change in the machine's load falls on all of them. A step's time runs from the earliest
+rank's start to the latest rank's end (every rank starts after a barrier); a ratio pipeclock / torch is
+the median over rounds of the ratio of the two engines' steps in the same round, given beside the ratio
+of the median steps, the ratio of the CPU time all ranks spent (what each engine asks of the cores,
+whoever else uses them) and the steps that other processes left quiet (``benchmarks.load``).
 
-pipeclock runs as it ships: it checks that a stage's tp ranks were given the same batch and meters
-activations, which torch's schedule does not. The GPT's embedding and head are one tied matrix with a
-copy at each end: pipeclock sums the copies' gradients every step, and torch's side does the same after
-its step (each tp rank its own rows, over the pp group), so both compute the same gradients. Neither
-optimizer steps: the weights stay the same, so every step of both engines has the same loss, checked.
+pipeclock runs as it ships, and again with its activation meter off: it checks that a stage's tp ranks
+were given the same batch and meters activations, which torch's schedule does not. The GPT's embedding
+and head are one tied matrix with a copy at each end: pipeclock sums the copies' gradients every step,
+and torch's side does the same after its step (each tp rank its own rows, over the pp group), so both
+compute the same gradients. Neither optimizer steps: the weights stay the same, so every step of both
+engines has the same loss, checked.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from pipeclock.models import gpt, hf
 
 RESULTS = ROOT / "benchmarks" / "results" / "tensor_parallel.json"
 TP = 2
+METER_OFF = "pipeclock, meter off"
+ENGINES = ("pipeclock", METER_OFF, "torch")
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,14 @@ MODELS = {"gpt": gpt_stage, "llama": llama_stage}
 
 
 class Pipeclock:
-    name = "pipeclock"
+    """pipeclock's ``Pipeline`` over the mesh's pp group: as it ships (its activation meter on), or with
+    the meter off, which shows what the meter costs."""
 
-    def __init__(self, chunk: nn.Module, loss: TokenCrossEntropy, mesh, setting: Setting):
-        self.module = chunk
-        self.pipe = schedule.Pipeline([chunk], "1f1b", setting.microbatches, loss, group=mesh.get_group("pp"))
+    def __init__(self, chunk: nn.Module, loss: TokenCrossEntropy, mesh, setting: Setting, metered: bool):
+        self.module, self.name = chunk, "pipeclock" if metered else METER_OFF
+        self.pipe = schedule.Pipeline(
+            [chunk], "1f1b", setting.microbatches, loss, group=mesh.get_group("pp"), measure_memory=metered
+        )
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
         return self.pipe.step(ids, targets)
@@ -155,27 +161,34 @@ def timed_step(engine, ids: torch.Tensor, targets: torch.Tensor) -> Sample:
 
 
 def compare(model: str, setting: Setting, mesh) -> dict:
-    """Both engines on one model, taking turns step by step (pipeclock first in even rounds, torch in
-    odd ones: the second finds the heap and caches as the first left them); every rank's samples of the
+    """The engines on one model, taking turns step by step, a different one first in each round (the
+    one after another finds the heap and caches as that one left them); every rank's samples of the
     timed rounds, joined on every rank."""
     stage, stages = parallel.pp_rank(mesh), mesh["pp"].size()
     engines = []
-    for kind in (Pipeclock, Torch):
+    for make in (
+        lambda *built: Pipeclock(*built, metered=True),
+        lambda *built: Pipeclock(*built, metered=False),
+        Torch,
+    ):
         chunk, plan, loss = MODELS[model](setting, stage, stages)
         parallel.tensor_parallel([chunk], mesh, plan)
-        engines.append(kind(chunk, loss, mesh, setting))
+        engines.append(make(chunk, loss, mesh, setting))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (setting.batch, setting.tokens), generator=generator)
     targets = ids if model == "llama" else torch.randint(0, 256, ids.shape, generator=generator)
     samples: dict[str, list[Sample]] = {engine.name: [] for engine in engines}
     for index in range(setting.warmup + setting.steps):
-        for engine in engines if index % 2 == 0 else engines[::-1]:
+        turn = index % len(engines)
+        for engine in engines[turn:] + engines[:turn]:
             sample = timed_step(engine, ids, targets)
             if index >= setting.warmup:
                 samples[engine.name].append(sample)
     everyone = comms.all_gather_object(samples, "gathering the benchmark's samples")
     row = figures(model, everyone)
-    apart = comms.all_gather_object(gradients_apart(*engines), "gathering the gradients' distance")
+    apart = comms.all_gather_object(
+        gradients_apart(engines[0], engines[-1]), "gathering the gradients' distance"
+    )
     return row | {"gradients_apart": max(apart)}
 
 
@@ -197,11 +210,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def figures(model: str, everyone: list[dict[str, list[Sample]]]) -> dict:
     """Per engine, each timed step's wall time (earliest start to latest end over the ranks), the
     ranks' CPU time and the foreign load (``benchmarks.summary``); their medians, over quiet steps too.
-    The ratio pipeclock / torch is the median over rounds of the two back-to-back steps' ratio, beside
-    the ratio of the medians. The losses any rank saw agree (the weights never change)."""
+    Each pipeclock's ratio to torch is the median over rounds of the two steps' ratio (the same round),
+    beside the ratio of the medians and of the CPU times. The losses any rank saw agree (the weights
+    never change)."""
     row: dict = {"model": model}
     walls = {}
-    for name in ("pipeclock", "torch"):
+    for name in ENGINES:
         steps = list(zip(*(samples[name] for samples in everyone), strict=True))
         walls[name] = [max(s.end for s in step) - min(s.start for s in step) for step in steps]
         cpu = [sum(s.cpu_s for s in step) for step in steps]
@@ -215,10 +229,13 @@ def figures(model: str, everyone: list[dict[str, list[Sample]]]) -> dict:
             "cpu_median_ms": round(statistics.median(cpu) * 1e3, 2),
             "foreign_share": [round(share, 3) if share is not None else None for share in shares],
         }
-    pairs = [ours / theirs for ours, theirs in zip(walls["pipeclock"], walls["torch"], strict=True)]
-    row["ratio_of_pairs"] = round(statistics.median(pairs), 3)
-    row["ratio_of_medians"] = round(row["pipeclock"]["median_ms"] / row["torch"]["median_ms"], 3)
-    row["cpu_ratio"] = round(row["pipeclock"]["cpu_median_ms"] / row["torch"]["cpu_median_ms"], 3)
+    for name in ENGINES[:-1]:
+        pairs = [ours / theirs for ours, theirs in zip(walls[name], walls["torch"], strict=True)]
+        row[name] |= {
+            "ratio_of_pairs": round(statistics.median(pairs), 3),
+            "ratio_of_medians": round(row[name]["median_ms"] / row["torch"]["median_ms"], 3),
+            "cpu_ratio": round(row[name]["cpu_median_ms"] / row["torch"]["cpu_median_ms"], 3),
+        }
     seen = [s.loss for samples in everyone for found in samples.values() for s in found if s.loss is not None]
     row["loss"] = seen[0]
     row["loss_spread"] = (max(seen) - min(seen)) / abs(seen[0])
@@ -252,20 +269,24 @@ def worker(setting: Setting, output: Path) -> None:
 
 def table(rows: list[dict]) -> list[str]:
     lines = [
-        "| model | pipeclock step (median) | torch step (median) | pipeclock / torch (pairs) "
-        "| of the medians | CPU time, all ranks: pipeclock / torch | quiet steps | loss (spread) "
-        "| gradients apart |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | engine | step (median) | / torch (pairs) | of the medians | CPU time, all ranks "
+        "| CPU / torch's | quiet steps | loss (spread) | gradients apart |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        ours, theirs = row["pipeclock"], row["torch"]
-        lines.append(
-            f"| {row['model']} | {ours['median_ms']:.1f} ms | {theirs['median_ms']:.1f} ms "
-            f"| {row['ratio_of_pairs']:.3f} | {row['ratio_of_medians']:.3f} "
-            f"| {ours['cpu_median_ms']:.0f} / {theirs['cpu_median_ms']:.0f} ms = {row['cpu_ratio']:.3f} "
-            f"| {ours['quiet_steps']} + {theirs['quiet_steps']} of {2 * len(ours['step_ms'])} "
-            f"| {row['loss']:.6f} ({row['loss_spread']:.1e}) | {row['gradients_apart']:.1e} |"
-        )
+        for name in ENGINES:
+            mine = row[name]
+            ratios = (
+                f"| {mine['ratio_of_pairs']:.3f} | {mine['ratio_of_medians']:.3f} "
+                if name != "torch"
+                else "| | "
+            )
+            lines.append(
+                f"| {row['model']} | {name} | {mine['median_ms']:.1f} ms {ratios}"
+                f"| {mine['cpu_median_ms']:.0f} ms | {mine.get('cpu_ratio', 1.0):.3f} "
+                f"| {mine['quiet_steps']} of {len(mine['step_ms'])} "
+                f"| {row['loss']:.6f} ({row['loss_spread']:.1e}) | {row['gradients_apart']:.1e} |"
+            )
     return lines
 
 
