@@ -343,7 +343,7 @@ def timed_collectives(rank: int, world: int) -> dict[str, float]:
     number and time on this rank beside the step's; then a step in which rank 1 sleeps before the
     all-reduce after h0's ``out``, in each micro-batch, and the least time its tp peer, rank 0, must
     have spent inside that collective: rank 1's waking minus rank 0's arrival (the wall clock both share),
-    less rank 0's own work between its arrival and its wait."""
+    less rank 0's own work between its arrival and its wait. Last, a profiled step at dp 2 x tp 2."""
     config, m = gpt.GPTConfig(**GPT_CONFIG), 2
     ids, targets = token_batch(4, config.vocab_size, seed=1)
     found: dict[str, float] = {}
@@ -369,6 +369,14 @@ def timed_collectives(rank: int, world: int) -> dict[str, float]:
     waited = sum(max(0.0, wake - came) for came, wake in zip(everyone[0], everyone[1], strict=True))
     found |= {"delayed seconds": delayed.seconds, "rank 0 waited at least": waited, "m": m}
     found["expected calls"] = CALLS_PER_MICROBATCH[stage] * m
+    mesh = parallel.init_mesh(2, 2)  # dp 2 x tp 2: FSDP2's gathers and sums are not tp's
+    chunks, replicas = built(mesh, gpt.GPT.for_rank(config, 0, 1), gpt.tp_plan(config, 2))
+    pipe = pipeline(mesh, "1f1b", chunks, m, TokenCrossEntropy(), replicas)
+    mine = my_shard(mesh, ids, targets)
+    pipe.step(*mine)
+    with timing_collectives() as replicated:
+        pipe.step(*mine)
+    found |= {"dp2 calls": replicated.calls, "dp2 expected calls": sum(CALLS_PER_MICROBATCH.values()) * m}
     return found
 
 
@@ -430,12 +438,14 @@ def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradie
 
 def test_the_time_inside_tps_collectives_is_theirs_alone_within_the_step_and_holds_a_peers_delay(four_ranks):
     """What `train`'s summary reports at tp > 1 (observe.collectives): every one of tp's collectives and
-    nothing else (no call, no time at tp 1, where the step still sends messages and sums the tie), some
-    time, never more than the step's; and a tp peer that arrives late at a collective shows in it."""
+    nothing else (no call, no time at tp 1, where the step still sends messages and sums the tie; at
+    dp 2 x tp 2 not FSDP2's gathers and sums), some time, never more than the step's; and a tp peer
+    that arrives late at a collective shows in it."""
     for rank, (_, _, found) in enumerate(four_ranks):
         assert found["tp1 calls"] == 0 and found["tp1 seconds"] == 0.0, (rank, found)
         assert found["tp2 calls"] == found["expected calls"], (rank, found)
         assert 0.0 < found["tp2 seconds"] <= found["tp2 step"], (rank, found)
+        assert found["dp2 calls"] == found["dp2 expected calls"], (rank, found)  # FSDP2's not counted
     rank0 = four_ranks[0][2]
     own_work = 0.05 * rank0["m"]  # rank 0's between its arrival and its wait: a small matmul, a hook
     assert rank0["delayed seconds"] >= rank0["rank 0 waited at least"] - own_work, rank0
