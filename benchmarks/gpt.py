@@ -37,7 +37,7 @@ BATCH, SEQ_LEN = 16, 128
 ENGINES = ("pipeclock", "torch", "pipeclock, meter off")
 
 
-class _Args(nn.Module):
+class StageArguments(nn.Module):
     """torch's stage calls ``module(*args)``; the GPT's pieces take their ``(hidden, positions)`` whole.
 
     torch sends outputs as they are, and gloo refuses a non-contiguous tensor (the expanded positions),
@@ -79,7 +79,9 @@ def _engines(name: str, m: int):
     pipe = schedule.Pipeline(ours, name, m, schedule.TokenCrossEntropy())
     bare = GPT.for_rank(config, rank, world)
     unmetered = schedule.Pipeline(bare, name, m, schedule.TokenCrossEntropy(), measure_memory=False)
-    stage = pipelining.PipelineStage(_Args(GPT.for_rank(config, rank, world)[0]), rank, world, comms.device())
+    stage = pipelining.PipelineStage(
+        StageArguments(GPT.for_rank(config, rank, world)[0]), rank, world, comms.device()
+    )
     kind = getattr(pipelining, SCHEDULES[name])
     multi = issubclass(kind, pipelining.schedules.PipelineScheduleMulti)
     theirs = kind([stage] if multi else stage, m, loss_fn=_mean_cross_entropy)

@@ -103,3 +103,31 @@ def test_a_prediction_simulates_the_actions_the_engine_ran():
     assert [str(a) for a in alone[0]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
     two = schedule_table(TrainConfig(schedule="zb-h1", microbatches=4), 2)
     assert {a.op for a in two[0]} == {"F", "B"} and {a.op for a in two[1]} == {"F", "I", "W"}
+
+
+def test_steps_profiled_for_tps_collectives_are_reported_beside_the_step_and_left_out_of_the_rest():
+    # step 4 is the fastest: with it and step 2 profiled, the median is another step
+    report = recorded_run([*RUN, (0.0004, 0.0, 0.0001), (0.0010, 0.002, 0.0004)])
+    plain = "\n".join(summary_lines(report, "1f1b", SCHEDULE, batch_size=32))
+    assert "tensor parallel" not in plain and "tp coll" not in plain, "no profiled step, nothing new"
+    untimed_median = report.median_index
+    for step, (inside, calls) in {2: (0.0002, 14), 4: (0.0004, 16)}.items():
+        for run in report.ranks:
+            run.steps[step].collective_seconds, run.steps[step].collective_calls = inside, calls
+    assert report.timed_steps == [2, 4] and report.measured_steps == [1, 3, 5]
+    assert report.median_index in (1, 3, 5) and report.median_index != untimed_median
+    assert median_step(report).count == 3
+    printed = summary_lines(report, "1f1b", SCHEDULE, batch_size=32)
+    line = next(line for line in printed if line.startswith("tensor parallel"))
+    call = (report.ranks[0].steps[2].seconds + report.ranks[0].steps[4].seconds) / 2
+    share = (0.0002 / report.ranks[0].steps[2].seconds + 0.0004 / report.ranks[0].steps[4].seconds) / 2
+    assert line.startswith(
+        f"tensor parallel  inside its collectives 0.30 ms of each rank's {call * 1e3:.2f} ms step call "
+        f"({share:.1%}; 14 to 16 calls a rank), means over 2 step(s) profiled for it"
+    ), line
+    header = printed.index(next(line for line in printed if line.startswith("rank ")))
+    assert printed[header].endswith("   tp coll")
+    for rank, row in enumerate(printed[header + 1 : header + 3]):
+        steps = report.ranks[rank].steps
+        mine = (0.0002 / steps[2].seconds + 0.0004 / steps[4].seconds) / 2
+        assert row.endswith(f"{mine:7.1%}"), (rank, row)

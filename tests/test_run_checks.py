@@ -5,10 +5,20 @@ Ranks that disagree, and every other wrong usage that needs processes, are in te
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from pipeclock.models.gpt import GPT, GPTConfig
-from pipeclock.plan.memory_fit import rank_parameters
+from pipeclock.plan.memory_fit import (
+    STATIC,
+    ModelTooLargeError,
+    available,
+    check_fits,
+    estimate,
+    rank_parameters,
+)
 from pipeclock.training.checks import _who_has_what
 from pipeclock.training.loop import TrainConfig, unique_parameters
 from pipeclock.training.tasks import RegressionTask
@@ -56,6 +66,24 @@ def test_the_memory_check_counts_each_ranks_parameters_as_building_its_stage_wou
             modules = GPT.for_rank(gpt, rank, world, len(table.placement.stages[rank]), table.placement)
         built = sum(p.numel() for p in unique_parameters(modules))
         assert rank_parameters(config, table, rank) == built
+
+
+def test_a_model_that_fits_only_split_is_accepted_at_tp2_and_refused_at_tp1():
+    """At --tp 2 each rank holds half of every Linear: the check judges that half, as the planner does.
+
+    The MLP is sized from this machine's memory: its weights, gradients and Adam state (16 bytes a
+    parameter) come to 1.5 times what one rank may have, so only the split fits. Both runs are one stage
+    (tp 1 on one process, tp 2 on two), so only tensor parallel halves the part.
+    """
+    room, _ = available(torch.device("cpu"))
+    layers = 4
+    hidden = math.isqrt(int(1.5 * room / 16 / layers))
+    split, whole = (TrainConfig(hidden=hidden, layers=layers, batch_size=8, tp=tp) for tp in (2, 1))
+    halves = estimate(split, split.table(1), 0)[STATIC], estimate(whole, whole.table(1), 0)[STATIC]
+    assert halves[0] == pytest.approx(halves[1] / 2, rel=1e-6), halves
+    check_fits(split, split.table(1), 0, torch.device("cpu"))  # accepted: no error
+    with pytest.raises(ModelTooLargeError, match="does not fit on rank 0"):
+        check_fits(whole, whole.table(1), 0, torch.device("cpu"))
 
 
 def test_ranks_that_disagree_are_grouped_by_value():

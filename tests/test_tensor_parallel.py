@@ -4,13 +4,16 @@ On every layout (dp x pp x tp) and schedule tried, one step of the MLP, the GPT 
 token targets, dropout) and a Hugging Face Llama (grouped-query attention; untied, and tied) split by
 their own plans leaves the loss, every gradient (each split gradient gathered whole) and the gradient
 norm within 1e-5 relative of the whole model's on one process for the whole batch. Every schedule runs
-at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split.
+at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split; so are tp ranks given
+different batches, before the step.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -18,12 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeclock import parallel, schedule
+from pipeclock import comms, parallel, schedule
 from pipeclock.engine import program, rng
 from pipeclock.engine.generators import generate
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.engine.orchestrator import BatchRefused
 from pipeclock.engine.ties import tie_key
 from pipeclock.models import gpt, mlp
+from pipeclock.observe.collectives import timing_collectives
 from pipeclock.parallel.mesh import mesh_layout, pipelines
 from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok
@@ -301,21 +306,149 @@ def test_tp2_gives_the_one_process_loss_gradients_and_norm_for_the_mlp_the_gpt_a
     check(2, TP2, [found for found, _ in two_ranks])
 
 
-def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm():
-    at_pp2 = [
-        ("llama", "naive", 2),
-        ("mlp", "gpipe", 3),
-        ("gpt", "1f1b", 3),
-        ("llama-tied", "1f1b", 3),
-        ("llama", "interleaved-1f1b", 2),
-        ("mlp", "zb-h1", 3),
-        ("gpt", "zb-v", 3),
-        ("mlp", "dualpipev", 2),
-        ("llama", "dualpipev", 3),
-    ]
-    dp2 = [("mlp", "1f1b", 2), ("gpt", "1f1b", 3), ("llama", "zb-h1", 2)]
-    assert {name for _, name, _ in at_pp2} == set(SCHEDULE_CHUNKS)
-    check(4, [(1, 2, at_pp2), (2, 2, dp2)])
+def different_batches(rank: int, world: int) -> dict[str, str | float]:
+    """At pp 2 x tp 2: a step whose tp ranks were given different inputs (the same samples, in another
+    order), one whose last stage's tp ranks were given different targets, then a step of one batch:
+    what each raised on this rank, and the last one's loss. The tp group is found from the chunks."""
+    mesh = parallel.init_mesh(1, 2)
+    pp, tp = mesh["pp"].size(), parallel.tp_rank(mesh)
+    chunks = mlp.ShardedMLP.for_rank(MLP_WIDTH, MLP_LAYERS, parallel.pp_rank(mesh), pp, seed=3)
+    parallel.tensor_parallel(chunks, mesh, mlp.tp_plan(MLP_WIDTH, mlp.partition(MLP_LAYERS, pp), 2))
+    pipe = schedule.Pipeline(chunks, "1f1b", 2, F.mse_loss, group=mesh.get_group("pp"))
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randn(4, MLP_WIDTH, generator=generator) for _ in range(2))
+    found: dict[str, str | float] = {}
+    for case, batch in {
+        "inputs": (inputs.flip(0) if tp == 1 else inputs, targets),
+        "targets": (inputs, targets + tp),
+    }.items():
+        try:
+            pipe.step(*batch)
+            found[case] = "accepted"
+        except BatchRefused as error:
+            found[case] = str(error)
+    found["then"] = pipe.step(inputs, targets)
+    return found
+
+
+# tp's collectives per micro-batch on each stage of the GPT at pp 2 (docs/three-axes.md): stage 0 the
+# embedding's all-reduce and h0's 2 forward and 4 backward ones; stage 1 h1's 6, the head's all-gather
+# forward and all-reduce backward
+CALLS_PER_MICROBATCH = {0: 1 + 6, 1: 6 + 2}
+DELAY = 0.3  # seconds rank 1 sleeps before h0's last all-reduce, in each micro-batch of the delayed step
+
+
+def timed_collectives(rank: int, world: int) -> dict[str, float]:
+    """A GPT step at pp 4 (tp 1) and at pp 2 x tp 2 profiled for tensor parallel's collectives: their
+    number and time on this rank beside the step's; then a step in which rank 1 sleeps before the
+    all-reduce after h0's ``out``, in each micro-batch, and the least time its tp peer, rank 0, must
+    have spent inside that collective: rank 1's waking minus rank 0's arrival (the wall clock both share),
+    less rank 0's own work between its arrival and its wait. Last, a profiled step at dp 2 x tp 2."""
+    config, m = gpt.GPTConfig(**GPT_CONFIG), 2
+    ids, targets = token_batch(4, config.vocab_size, seed=1)
+    found: dict[str, float] = {}
+    for tp in (1, 2):
+        mesh = parallel.init_mesh(1, tp)
+        chunks = gpt.GPT.for_rank(config, parallel.pp_rank(mesh), mesh["pp"].size())
+        parallel.tensor_parallel(chunks, mesh, gpt.tp_plan(config, tp))
+        pipe = schedule.Pipeline(chunks, "1f1b", m, TokenCrossEntropy(), group=mesh.get_group("pp"))
+        pipe.step(ids, targets)  # the first step sets up what later ones reuse
+        with timing_collectives() as timed:
+            pipe.step(ids, targets)
+        found |= {
+            f"tp{tp} calls": timed.calls,
+            f"tp{tp} seconds": timed.seconds,
+            f"tp{tp} step": pipe.last.seconds,
+        }
+    stage, arrivals = parallel.pp_rank(mesh), []
+    if stage == 0:
+        chunks[0].h0.out.register_forward_pre_hook(lambda *_: _arrive(rank, arrivals))
+    with timing_collectives() as delayed:
+        pipe.step(ids, targets)
+    everyone = comms.all_gather_object(arrivals, "sharing the arrivals")
+    waited = sum(max(0.0, wake - came) for came, wake in zip(everyone[0], everyone[1], strict=True))
+    found |= {"delayed seconds": delayed.seconds, "rank 0 waited at least": waited, "m": m}
+    found["expected calls"] = CALLS_PER_MICROBATCH[stage] * m
+    mesh = parallel.init_mesh(2, 2)  # dp 2 x tp 2: FSDP2's gathers and sums are not tp's
+    chunks, replicas = built(mesh, gpt.GPT.for_rank(config, 0, 1), gpt.tp_plan(config, 2))
+    pipe = pipeline(mesh, "1f1b", chunks, m, TokenCrossEntropy(), replicas)
+    mine = my_shard(mesh, ids, targets)
+    pipe.step(*mine)
+    with timing_collectives() as replicated:
+        pipe.step(*mine)
+    found |= {"dp2 calls": replicated.calls, "dp2 expected calls": sum(CALLS_PER_MICROBATCH.values()) * m}
+    return found
+
+
+def _arrive(rank: int, arrivals: list[float]) -> None:
+    """Rank 0 notes when it reaches the layer; rank 1 notes when it wakes from its sleep there."""
+    if rank == 1:
+        time.sleep(DELAY)
+    arrivals.append(time.time())
+
+
+def on_four_ranks(rank: int, world: int, runs) -> tuple[dict, dict, dict]:
+    return layouts(rank, world, runs), different_batches(rank, world), timed_collectives(rank, world)
+
+
+AT_PP2 = [
+    ("llama", "naive", 2),
+    ("mlp", "gpipe", 3),
+    ("gpt", "1f1b", 3),
+    ("llama-tied", "1f1b", 3),
+    ("llama", "interleaved-1f1b", 2),
+    ("mlp", "zb-h1", 3),
+    ("gpt", "zb-v", 3),
+    ("mlp", "dualpipev", 2),
+    ("llama", "dualpipev", 3),
+]
+DP2 = [("mlp", "1f1b", 2), ("gpt", "1f1b", 3), ("llama", "zb-h1", 2)]
+FOUR_RANKS = [(1, 2, AT_PP2), (2, 2, DP2)]
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[tuple[dict, dict, dict]]:
+    """One launch of four processes for the tests at pp 2 x tp 2 and dp 2 x tp 2."""
+    return run_ok(on_four_ranks, 4, FOUR_RANKS, deadline=600)
+
+
+def test_tp_ranks_given_different_batches_are_refused_on_every_rank_in_one_line_before_the_step(four_ranks):
+    first, last = {0: 0, 1: 1, 2: 0, 3: 1}, {0: 2, 1: 3, 2: 2, 3: 3}
+    for rank, (_, found, _) in enumerate(four_ranks):
+        reads = {"inputs": rank < 2, "targets": rank >= 2}
+        for end, stage, peers, owner in (
+            ("inputs", "first", "0, 1", first),
+            ("targets", "last", "2, 3", last),
+        ):
+            message = found[end]
+            if reads[end]:  # a rank that was given it says what differs
+                want = f"the tp ranks of the {stage} stage (ranks {peers}) were given different {end}"
+            else:
+                want = f"the {stage} stage (rank {owner[rank]}) and its tp peers were given different {end}"
+            want = f"rank {rank}: {want}"
+            assert message.startswith(want) and "\n" not in message, (rank, end, message)
+    losses = [found["then"] for _, found, _ in four_ranks]
+    assert len(set(losses)) == 1 and 0 < losses[0] < float("inf"), losses  # the pipeline goes on
+
+
+def test_tp2_x_pp2_every_schedule_and_dp2_x_tp2_give_the_one_process_loss_gradients_and_norm(four_ranks):
+    assert {name for _, name, _ in AT_PP2} == set(SCHEDULE_CHUNKS)
+    check(4, FOUR_RANKS, [found for found, _, _ in four_ranks])
+
+
+def test_the_time_inside_tps_collectives_is_theirs_alone_within_the_step_and_holds_a_peers_delay(four_ranks):
+    """What `train`'s summary reports at tp > 1 (observe.collectives): every one of tp's collectives and
+    nothing else (no call, no time at tp 1, where the step still sends messages and sums the tie; at
+    dp 2 x tp 2 not FSDP2's gathers and sums), some time, never more than the step's; and a tp peer
+    that arrives late at a collective shows in it."""
+    for rank, (_, _, found) in enumerate(four_ranks):
+        assert found["tp1 calls"] == 0 and found["tp1 seconds"] == 0.0, (rank, found)
+        assert found["tp2 calls"] == found["expected calls"], (rank, found)
+        assert 0.0 < found["tp2 seconds"] <= found["tp2 step"], (rank, found)
+        assert found["dp2 calls"] == found["dp2 expected calls"], (rank, found)  # FSDP2's not counted
+    rank0 = four_ranks[0][2]
+    own_work = 0.05 * rank0["m"]  # rank 0's between its arrival and its wait: a small matmul, a hook
+    assert rank0["delayed seconds"] >= rank0["rank 0 waited at least"] - own_work, rank0
 
 
 @pytest.mark.slow
@@ -343,18 +476,30 @@ GPT_RUN = "--model gpt --dim 32 --layers 2 --heads 2 --seq-len 32 --batch-size 6
 GPT_RUN += " --dropout 0.1 --steps 5 --eval-batches 1 --eval-every 0 --clip-grad-norm 0.5"
 
 
-def test_train_tp2_follows_the_one_process_run_step_by_step(tmp_path):
+def test_train_tp2_follows_the_one_process_run_step_by_step_and_says_what_tp_cost(tmp_path):
     """The main job at tp 2, Adam and clipping on split parameters, the tie and dropout: every step's
-    loss is the one-process run's."""
+    loss is the one-process run's. Its summary gives the time inside tp's collectives beside the step;
+    the one-process run's says nothing of tp."""
     flags = ["train", *GPT_RUN.split()]
     split = Launch(tmp_path / "tp2", 2, [*flags, "--tp", "2", "--losses", str(tmp_path / "tp2.json")])
     alone = [sys.executable, "-m", "pipeclock", *flags, "--losses", str(tmp_path / "one.json")]
     one = subprocess.run(alone, cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert one.returncode == 0, one.stderr
-    assert "x tp 2" in split.result().splitlines()[0]
+    printed = split.result()
+    assert "x tp 2" in printed.splitlines()[0]
     _, want = losses_of(tmp_path / "one.json")
     _, got = losses_of(tmp_path / "tp2.json")
     assert len(got) == len(want) == 5
+    # profiled: steps 2 and 4; at pp 1 each rank runs both stages' layers, so both stages' collectives
+    said = re.search(
+        r"^tensor parallel  inside its collectives ([\d.]+) ms of each rank's ([\d.]+) ms step call "
+        r"\(([\d.]+)%; (\d+) calls a rank\), means over 2 step\(s\) profiled for it", printed, re.M
+    )  # fmt: skip
+    assert said, printed
+    inside, call, share, calls = (float(x) for x in said.groups())
+    assert 0 < inside < call and 0 < share < 100, said.group(0)
+    assert calls == sum(CALLS_PER_MICROBATCH.values()) * 2, said.group(0)  # 2 micro-batches a step
+    assert "tensor parallel" not in one.stdout and "tp coll" not in one.stdout, one.stdout
     assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < TOLERANCE, (got, want)
 
 

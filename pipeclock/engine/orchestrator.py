@@ -44,9 +44,10 @@ from pipeclock.engine.program import add_reduce_grad, lower, must_finish
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
 from pipeclock.engine.spans import Span
-from pipeclock.engine.step_ends import GIVEN_NONE, NOT_HERE, REJECTED, StepEnds
+from pipeclock.engine.step_ends import DIFFERS, GIVEN_NONE, NOT_HERE, REJECTED, StepEnds
 from pipeclock.engine.step_run import BatchRefused, StageError, StepRun
 from pipeclock.engine.ties import TiedGradients
+from pipeclock.engine.tp_batch import ENDS, TensorParallelPeers, tp_group_of
 
 __all__ = ["BatchRefused", "Pipeline", "StageError", "StepRecord"]
 
@@ -61,6 +62,10 @@ class StepRecord:
     peak_activation_bytes: int | None
     syncs: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each dp gradient sum
     sent_bytes: int = 0  # activations and gradients this rank sent to its pipeline neighbours
+    # time inside tensor parallel's collectives and their number, where the step was profiled for them
+    # (``pipeclock.observe.collectives``); None: not profiled
+    collective_seconds: float | None = None
+    collective_calls: int = 0
 
     @property
     def sync_seconds(self) -> float:
@@ -86,7 +91,10 @@ class Pipeline:
     ``group`` is the process group of this pipeline's ranks (the ``"pp"`` dim of a mesh; default: the
     whole world): stage indices are ranks in that group. ``replicas`` (from ``pipeclock.parallel``) are
     the data-parallel copies of this pipeline: the batch given to ``step`` is then this replica's shard
-    of the global batch, and the returned loss is the global batch's.
+    of the global batch, and the returned loss is the global batch's. ``tp_group``: the ranks that share
+    this stage by tensor parallel (default: the ``"tp"`` dim of the mesh its split parameters live on);
+    they must be given the same batch, which each step checks where the batch is read
+    (``pipeclock.engine.tp_batch``: one all-reduce of a checksum or two).
 
     ``recompute`` (``"none"``, ``"full"``, ``"every-K"``: ``pipeclock.engine.recompute``) checkpoints the
     chunks' blocks, in place: the same math with less activation memory. ``dtype="bf16"`` runs the
@@ -107,6 +115,7 @@ class Pipeline:
         replicas: Replicas | None = None,
         recompute: str | RecomputePolicy | None = None,
         dtype: str | Precision | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         self.group = group
         self.peers = _group_ranks(group)  # global rank of each pipeline rank
@@ -140,6 +149,7 @@ class Pipeline:
         self.copies_input = [_starts_in_place(chunk) for chunk in self.chunks]
         self.device = comms.device()
         self.new_clock = functools.partial(clock_for, self.device)  # what times each step's actions
+        self.tp_peers = TensorParallelPeers(tp_group or tp_group_of(self.chunks), self.device)
         self.ties = TiedGradients(self.chunks, group)
         self.last_backward = self._last_backward_actions()
         replicated = self.replicas.group is not None
@@ -306,6 +316,13 @@ class Pipeline:
                     mine[index], rejection = REJECTED, error
         if mine[0] >= 0:
             mine[2] = pytree.shape_key(inputs)
+        given = {end: tree for end, tree, here in zip(ENDS, (inputs, targets), held, strict=True) if here}
+        differing = self.tp_peers.differing(given)
+        if differing and rejection is None:
+            stage = " and ".join({"inputs": "first", "targets": "last"}[end] for end in differing) + " stage"
+            rejection = ValueError(self.tp_peers.refusal(differing, stage))
+            for index, end in enumerate(ENDS):
+                mine[index] = DIFFERS if end in differing else mine[index]
         return mine, rejection
 
     def _check_batch(self, batch: int, target_batch: int) -> None:
@@ -320,6 +337,10 @@ class Pipeline:
                 raise ValueError(f"{where} was given no {none}")
             if size == REJECTED:
                 raise ValueError(f"{where} could not read its {given} (its own error says why)")
+            if size == DIFFERS:
+                raise ValueError(
+                    f"{where} and its tp peers were given different {given} (its error says more)"
+                )
         if batch != target_batch:
             raise ValueError(
                 f"rank {self.global_rank}: {batch} inputs but {target_batch} targets in the batch"

@@ -96,6 +96,24 @@ def shape_key(tree: Tree) -> int:
     return zlib.crc32(repr((spec, [(leaf.dtype, tuple(leaf.shape[1:])) for leaf in flat])).encode())
 
 
+def checksum(tree: Tree) -> int:
+    """A CRC-32 in [0, 2**32) of ``tree``: its structure, and each leaf's dtype, shape and bytes, in order.
+
+    Two batches that differ anywhere, a sample or the order of two samples, have different checksums
+    (but for a chance of one in 2**32). A leaf on a GPU is copied to the host for it.
+    """
+    flat, spec = pytree.tree_flatten(tree)
+    value = zlib.crc32(repr(spec).encode())
+    for leaf in flat:
+        if not isinstance(leaf, torch.Tensor):
+            value = zlib.crc32(repr(leaf).encode(), value)
+            continue
+        value = zlib.crc32(repr((leaf.dtype, tuple(leaf.shape))).encode(), value)
+        data = leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        value = zlib.crc32(data.numpy(), value)
+    return value
+
+
 def split(tree: Tree, sizes: Sequence[int], device: torch.device) -> list[Tree]:
     """``tree`` cut into micro-batches of ``sizes`` samples along dimension 0 of every leaf."""
     flat, spec = pytree.tree_flatten(tree)

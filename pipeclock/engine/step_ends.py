@@ -19,8 +19,9 @@ from pipeclock import comm_channels, comms
 from pipeclock.engine.messenger import STEP, message_tag
 
 # Batch sizes that are not sizes. The ends' values are combined by taking the larger, so NOT_HERE is the
-# smallest; GIVEN_NONE (-1) and REJECTED are told apart from a size and from each other.
-NOT_HERE = -3  # from a rank that does not hold that end of the pipeline
+# smallest; GIVEN_NONE (-1), REJECTED and DIFFERS are told apart from a size and from each other.
+NOT_HERE = -4  # from a rank that does not hold that end of the pipeline
+DIFFERS = -3  # that end's tp ranks were given different batches (``engine.tp_batch``)
 REJECTED = -2  # that end was given a batch it could not read (its own error says why)
 GIVEN_NONE = -1
 BATCH_TAG = message_tag(STEP, 0, 0, 0)

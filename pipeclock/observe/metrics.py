@@ -99,7 +99,8 @@ class RankRun:
 
 @dataclass
 class RunReport:
-    """Every rank's measurements, on rank 0. Steps before ``warmup`` are left out of the figures."""
+    """Every rank's measurements, on rank 0. Steps before ``warmup`` are left out of the figures, and so
+    are the steps profiled for tensor parallel's collectives (``timed``: the profiler slows them)."""
 
     ranks: list[RankRun]
     chunks: int = 1
@@ -117,9 +118,23 @@ class RunReport:
         shifted = [Span(s.rank, s.action, s.start - origin, s.end - origin, s.wait) for s in spans]
         return Timeline(shifted, num_ranks=len(self.ranks), chunks=self.chunks)
 
+    def timed(self, step: int) -> bool:
+        """Whether ``step`` was profiled for tensor parallel's collectives (``observe.collectives``)."""
+        return any(run.steps[step].collective_seconds is not None for run in self.ranks)
+
+    @property
+    def timed_steps(self) -> list[int]:
+        return [step for step in range(len(self.timelines)) if self.timed(step)]
+
+    @property
+    def measured_steps(self) -> list[int]:
+        """The steps the figures describe: after the warm-up, less the timed ones (unless all were)."""
+        after = range(self.warmup, len(self.timelines))
+        return [step for step in after if not self.timed(step)] or list(after)
+
     @property
     def measured(self) -> list[Timeline]:
-        return self.timelines[self.warmup :]
+        return [self.timelines[step] for step in self.measured_steps]
 
     def seconds_of(self, step: int) -> float:
         """A step's time: the slowest rank's ``step`` call, which includes its communication."""
@@ -129,7 +144,7 @@ class RunReport:
     def median_index(self) -> int:
         """The measured step of median step time (the lower middle one for an even count): the step the
         headline figures and the pictures describe, one real step rather than an average of several."""
-        measured = range(self.warmup, len(self.timelines))
+        measured = self.measured_steps
         return sorted(measured, key=self.seconds_of)[(len(measured) - 1) // 2]
 
     @property
@@ -154,7 +169,7 @@ class RunReport:
 
     def sync_fraction(self, rank: int) -> float:
         """Share of the step this rank spent summing gradients across data-parallel replicas."""
-        steps = self.ranks[rank].steps[self.warmup :]
+        steps = [self.ranks[rank].steps[step] for step in self.measured_steps]
         return statistics.fmean(s.sync_seconds / s.seconds for s in steps if s.seconds)
 
     @property

@@ -54,7 +54,7 @@ def message_bytes(report: RunReport, schedule: Schedule) -> float:
     """The mean bytes of one activation or gradient message over the measured steps."""
     sends = sum(i.kind in ("SEND_F", "SEND_B") for rank in lower(schedule) for i in rank)
     pipelines = len(report.ranks) // len(schedule)
-    steps = range(report.warmup, len(report.timelines))
+    steps = report.measured_steps
     sent = statistics.fmean(sum(run.steps[step].sent_bytes for run in report.ranks) for step in steps)
     return sent / (sends * pipelines) if sends else 0.0
 
@@ -109,11 +109,14 @@ def summary_lines(
         f"({duration_text(step.timeline.makespan * 1e3, 'ms')}, first action to last)"
         + (f"; formula {bubble_formula_text(schedule_name)} = {formula:.1%}" if formula is not None else "")
         + f"; simulated with the measured op times {predicted.bubble_share:.1%}{_link_text(link)}",
+        *_tensor_parallel_lines(report),
         "",
     ]
-    wide = report.data_parallel or len(report.hosts) > 1
+    wide, timed = report.data_parallel or len(report.hosts) > 1, bool(report.timed_steps)
     lines.append(
-        "rank   busy   comm wait   CPU    peak activations   peak RSS" + ("   dp sync   node" if wide else "")
+        "rank   busy   comm wait   CPU    peak activations   peak RSS"
+        + ("   tp coll" if timed else "")
+        + ("   dp sync   node" if wide else "")
     )
     for rank, run in enumerate(report.ranks):
         peak = report.peak_activation_bytes(rank)
@@ -122,15 +125,46 @@ def summary_lines(
             f"{run.cpu_percent:4.0f}%  {_mib(peak):>15}   {run.peak_rss / MIB:6.0f} MiB"
             + (f"   GPU {run.gpu_utilization:.0f}%" if run.gpu_utilization is not None else "")
             + (f"   CUDA peak {_mib(run.cuda_peak_bytes)}" if run.cuda_peak_bytes is not None else "")
+            + (f"  {statistics.fmean(_collective_shares(report, rank)):7.1%}" if timed else "")
             + (f"  {_sync_share(report, step, rank):7.1%}   {run.host}" if wide else "")
         )
     lines.append(
-        "(busy, comm wait" + (", dp sync" if wide else "") + ": shares of that step; "
-        "CPU and RSS: the whole run; peak activations: the largest of any step)"
+        "(busy, comm wait"
+        + (", dp sync" if wide else "")
+        + ": shares of that step; "
+        + ("tp coll: of the profiled steps' step calls; " if timed else "")
+        + "CPU and RSS: the whole run; peak activations: the largest of any step)"
     )
     if wide:
         lines += ["", *_communication_lines(report, step)]
     return lines
+
+
+def _tensor_parallel_lines(report: RunReport) -> list[str]:
+    """Where steps were profiled for them: the time inside tensor parallel's collectives, beside the step
+    call it was part of (means over the ranks and the profiled steps)."""
+    timed = report.timed_steps
+    if not timed:
+        return []
+    records = [run.steps[step] for run in report.ranks for step in timed]
+    inside = statistics.fmean(record.collective_seconds for record in records)
+    call = statistics.fmean(record.seconds for record in records)
+    share = statistics.fmean(s for rank in range(len(report.ranks)) for s in _collective_shares(report, rank))
+    fewest, most = min(r.collective_calls for r in records), max(r.collective_calls for r in records)
+    calls = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+    on_cuda = any(run.cuda_peak_bytes is not None for run in report.ranks)
+    return [
+        f"tensor parallel  inside its collectives {duration_text(inside * 1e3, 'ms')} of each rank's "
+        f"{duration_text(call * 1e3, 'ms')} step call ({share:.1%}; {calls} calls a rank), means over "
+        f"{len(timed)} step(s) profiled for it, which the other figures leave out"
+        + ("; host time: the GPU's time in them is not measured" if on_cuda else "")
+    ]
+
+
+def _collective_shares(report: RunReport, rank: int) -> list[float]:
+    """For each profiled step, the share of this rank's step call spent inside tp's collectives."""
+    records = [report.ranks[rank].steps[step] for step in report.timed_steps]
+    return [r.collective_seconds / r.seconds if r.seconds else 0.0 for r in records]
 
 
 def _wait_share(step: MedianStep, rank: int) -> float:

@@ -102,7 +102,8 @@ def tensor_parallel(
     (``--tp-plan FILE``, or the model's own). Returns the chunks.
 
     The tp ranks of a stage compute one result together: give each of them its replica's batch, the
-    same inputs and targets (different ones would leave each rank a wrong gradient, silently).
+    same inputs and targets (different ones would leave each rank a wrong gradient); a ``Pipeline`` of
+    the chunks checks it every step and refuses a batch that differs.
     """
     chunks = list(chunks)
     tp_mesh = mesh["tp"]

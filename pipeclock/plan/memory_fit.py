@@ -5,7 +5,9 @@ ends a process without a word (or by a CUDA out-of-memory error deep inside a fo
 building, each rank counts the parameters it will hold (from the model's shapes and the cut), and the
 planner (``pipeclock.plan.planner``) turns them into bytes: weights, gradients and Adam's state.
 For the MLP, whose layers the planner can describe without measuring them, it adds the activations and
-messages the schedule keeps in flight; for the GPT the estimate is the parameters' part, a floor. The
+messages the schedule keeps in flight; for the GPT the estimate is the parameters' part, a floor. With
+``--tp N`` a rank holds one tp rank's share of its stage, as the planner splits a layer
+(``pipeclock.plan.tensor_parallel``): 1/N of the parameters and of what a layer keeps inside it. The
 run stops only when the estimate exceeds all the memory the rank could have, so an estimate a little
 off, or a machine busy for a while, never refuses a run that could fit.
 """
@@ -26,6 +28,7 @@ from pipeclock.models.split import partition
 from pipeclock.observe.sizes import format_bytes
 from pipeclock.plan.model_layers import rough_layers
 from pipeclock.plan.rank_memory import Recompute, Training, rank_memory
+from pipeclock.plan.tensor_parallel import MLP, rank_share, split_layers
 
 STATIC = "weights, gradients and Adam state"
 IN_FLIGHT = "activations and messages"
@@ -41,7 +44,7 @@ def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
     if len(piece_parameters(config)) < table.placement.num_virtual:
         return {}  # no cut exists: building the stage says why, in the model's own words
     training = Training(config.dtype, "adam", Recompute.parse(config.recompute))
-    parameters = rank_parameters(config, table, pipeline_rank)
+    parameters = rank_parameters(config, table, pipeline_rank, config.tp)
     shared_by = config.dp if config.data_parallel == "fsdp" else 1  # FSDP2 shards them over the replicas
     parts = {STATIC: math.ceil(parameters * training.bytes_per_parameter / shared_by)}
     if config.model == "mlp":
@@ -49,18 +52,19 @@ def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
     return parts
 
 
-def rank_parameters(config, table: Schedule, pipeline_rank: int) -> int:
-    """The parameters ``pipeline_rank`` will hold: its pieces of the model, cut by layer count.
+def rank_parameters(config, table: Schedule, pipeline_rank: int, tp: int = 1) -> int:
+    """The parameters ``pipeline_rank`` will hold: its pieces of the model, cut by layer count; with
+    ``tp`` > 1, one tp rank's share of each piece (``tensor_parallel.rank_share``: a floor).
 
     Counted from the models' shapes, not by building them: even on the meta device, building a large
     model costs seconds of PyTorch's own imports at every start.
     """
-    pieces = piece_parameters(config)
+    pieces = [rank_share(count, tp) for count in piece_parameters(config)]
     cut = partition(len(pieces), table.placement.num_virtual)
     held = sorted(i for stage in table.placement.stages[pipeline_rank] for i in cut[stage])
     total = sum(pieces[i] for i in held)
     if config.model == "gpt" and held[0] == 0 and held[-1] == len(pieces) - 1:
-        total -= VOCAB * config.dim  # the embedding and the head share one matrix on this rank
+        total -= rank_share(VOCAB * config.dim, tp)  # the embedding and the head share one matrix here
     return total
 
 
@@ -75,7 +79,8 @@ def piece_parameters(config) -> list[int]:
 
 def _mlp_in_flight(config, table: Schedule, pipeline_rank: int, training: Training) -> int:
     samples = math.ceil(config.batch_size / config.dp / config.microbatches)
-    layers = rough_layers(config.layers * config.hidden**2, config.layers, samples)
+    whole = rough_layers(config.layers * config.hidden**2, config.layers, samples)
+    layers = split_layers(whole, config.tp, MLP)  # one tp rank's share, as the planner splits a layer
     cut = partition(config.layers, table.placement.num_virtual)
     memory = rank_memory(layers, cut, table, training)[pipeline_rank]
     return memory.activations + memory.messages + memory.workspace

@@ -59,6 +59,13 @@ def all_reduce_seconds(size: float, tp: int, link: Link, sequence_parallel: bool
     return moved + (2 if sequence_parallel else 1) * link.latency
 
 
+def rank_share(count: int, tp: int) -> int:
+    """What one of ``tp`` ranks holds of ``count`` numbers of a split layer (parameters, a tied matrix):
+    ``count / tp`` rounded up. A norm's weight or a row split's bias is in fact whole on every rank, so
+    for a whole model this is a floor, a few vectors short."""
+    return -(-count // tp)
+
+
 def split_layers(
     layers: Sequence[LayerCost],
     tp: int,
@@ -82,9 +89,9 @@ def _split(layer: LayerCost, tp: int, calls: float, link: Link, sequence_paralle
     collective = calls * all_reduce_seconds(layer.message_bytes, tp, link, sequence_parallel)
     return replace(
         layer,
-        parameters=-(-layer.parameters // tp),
-        largest_parameter=-(-layer.largest_parameter // tp),
-        tied=tuple((key, -(-numbers // tp)) for key, numbers in layer.tied),
+        parameters=rank_share(layer.parameters, tp),
+        largest_parameter=rank_share(layer.largest_parameter, tp),
+        tied=tuple((key, rank_share(numbers, tp)) for key, numbers in layer.tied),
         checkpointed=checkpointed,
         forward=layer.forward / tp + collective,
         backward=layer.backward / tp + collective,

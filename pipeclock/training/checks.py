@@ -76,6 +76,7 @@ def _check_data_parallel(config) -> None:
 
 def _check_tensor_parallel(config) -> None:
     _at_least("tp", config.tp, 1)
+    _at_least("tp_timed_steps", config.tp_timed_steps, 0)
     if config.tp_plan is not None and config.tp == 1:
         raise ValueError(f"--tp-plan {config.tp_plan} needs --tp N with N > 1 (the ranks that share a stage)")
     if config.tp > 1 and config.dp > 1 and config.data_parallel == "ddp":

@@ -38,6 +38,7 @@ from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.models.text import bits_per_byte
+from pipeclock.observe.collectives import timing_collectives
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
 from pipeclock.parallel import clip_grad_norm
 from pipeclock.plan.memory_fit import check_fits
@@ -91,6 +92,7 @@ class TrainConfig:
     dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / (dp x tp)
     tp: int = 1  # tensor-parallel ranks sharing each stage (innermost in the mesh)
     tp_plan: str | None = None  # a JSON plan in transformers' base_model_tp_plan format; None: the model's
+    tp_timed_steps: int = 3  # with tp: steps profiled for the time inside tp's collectives (0: none)
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping
     balance: str = "layers"  # cut the model by layer count, or by measured time or memory per layer
@@ -202,10 +204,11 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
         on_begin(start)
     meter, gpu = ProcessMeter(), GpuUtilization()
     losses, records, validation = [], [], []
+    timed = timed_steps(start, config.steps, config.tp_timed_steps if config.tp > 1 else 0)
     for step in range(start, config.steps):
         inputs, targets = task.batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
-        losses.append(pipe.step(inputs[shard], targets[shard]))
+        losses.append(_step(pipe, inputs[shard], targets[shard], step in timed))
         check_loss(losses[-1], step)
         if config.clip_grad_norm is not None:
             clip_grad_norm(pipe, config.clip_grad_norm, mesh)
@@ -224,6 +227,25 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
     return result
+
+
+def timed_steps(first: int, steps: int, count: int) -> range:
+    """The steps profiled for tensor parallel's collectives (``observe.collectives``): up to ``count``,
+    every other step from the third this process runs (the first is the warm-up), so that untimed steps,
+    which the run's other figures describe, lie between them and the warm-up."""
+    return range(first + 2, min(steps, first + 2 + 2 * count), 2)
+
+
+def _step(pipe: Pipeline, inputs, targets, timed: bool) -> float:
+    """One step; a timed one is profiled, its record given the time inside the functional collectives,
+    and the ranks line up after it (each takes its own time to stop the profiler)."""
+    if not timed:
+        return pipe.step(inputs, targets)
+    with timing_collectives() as found:
+        loss = pipe.step(inputs, targets)
+    pipe.last.collective_seconds, pipe.last.collective_calls = found.seconds, found.calls
+    comms.barrier("lining up after a step profiled for tensor parallel's collectives")
+    return loss
 
 
 @contextmanager

@@ -55,6 +55,7 @@ def build_pipeline(config, task) -> tuple[Pipeline, list[nn.Module], slice, Devi
         replicas = data_parallel(modules, mesh, config.data_parallel)
         chunks, modules = replicas.chunks, replicas.modules
         options |= dict(replicas=replicas)
-    pipe = Pipeline(chunks, table, config.microbatches, task.loss_fn, group=mesh.get_group("pp"), **options)
+    groups = dict(group=mesh.get_group("pp"), tp_group=mesh.get_group("tp"))
+    pipe = Pipeline(chunks, table, config.microbatches, task.loss_fn, **groups, **options)
     shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
     return pipe, modules, slice(shard.start, shard.stop), mesh

@@ -165,6 +165,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '({"layers.*.mlp.up_proj": "colwise", ...}), for a model without one or to replace its own',
     )  # fmt: skip
     parser.add_argument(
+        "--tp-timed-steps", type=non_negative_int, default=defaults.tp_timed_steps, metavar="N",
+        help="with --tp: steps profiled (torch.profiler) for the time inside tensor parallel's "
+        "collectives, which the summary reports; they are left out of its other figures "
+        f"(default {defaults.tp_timed_steps}, 0: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--data-parallel", default=defaults.data_parallel, choices=["fsdp", "ddp"],
         help="what keeps the replicas in step: fsdp (FSDP2, parameters and optimizer state sharded over "
         "the replicas; default) or ddp (full copies)",
