@@ -45,6 +45,7 @@ The convention, for whoever writes a page:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shlex
@@ -312,6 +313,25 @@ def run_command(command: str, timeout: float = COMMAND_TIMEOUT) -> Ran:
     return Ran(process.returncode, stdout, stderr, time.perf_counter() - start)
 
 
+def run_here(command: str) -> Ran:
+    """A simulator command (``SIMULATOR ...``, no environment words) run in this process, from the
+    repository root: it starts no other process, and a fresh interpreter would cost more than the command
+    (torch's import, every time). The docs test runs each one as typed too, and compares the two."""
+    from pipeclock.cli.dispatch import main
+
+    words = shlex.split(command)[3:]  # after "python -m pipeclock"
+    out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, Path.cwd()
+    start = time.perf_counter()
+    try:
+        os.chdir(REPOSITORY)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(words)
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    return Ran(code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
+
+
 def _end_group(group: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)
@@ -381,7 +401,7 @@ def _build_block(block: Block, figures: Path) -> Outcome:
     outcome = Outcome(block)
     for drawn, _ in block.notes.figures:  # so that a figure the command no longer draws is noticed;
         (REPOSITORY / drawn).unlink(missing_ok=True)  # the page's copy is replaced only by a good run
-    ran = run_command(block.command)
+    ran = run_here(block.command) if block.simulator_only else run_command(block.command)
     outcome.seconds = ran.seconds
     try:
         outcome.refreshed = check(block, ran)
