@@ -41,15 +41,23 @@ class StageArguments(nn.Module):
     """torch's stage calls ``module(*args)``; the GPT's pieces take their ``(hidden, positions)`` whole.
 
     torch sends outputs as they are, and gloo refuses a non-contiguous tensor (the expanded positions),
-    so the adapter hands on contiguous ones; pipeclock's sends do the same themselves.
+    so the adapter hands on contiguous ones; pipeclock's sends do the same themselves. torch's stages
+    send tensors and tuples only: a stage whose message is a dict (a Hugging Face stage's hidden states
+    and token ids) sends its values in the order of ``keys``, and the next stage's adapter, given the
+    same ``keys``, makes the dict again.
     """
 
-    def __init__(self, chunk: nn.Module):
+    def __init__(self, chunk: nn.Module, keys: tuple[str, ...] = ()):
         super().__init__()
-        self.chunk = chunk
+        self.chunk, self.keys = chunk, keys
 
     def forward(self, *args):
-        output = self.chunk(args[0] if len(args) == 1 else args)
+        if self.keys and len(args) == len(self.keys):
+            output = self.chunk(dict(zip(self.keys, args, strict=True)))
+        else:
+            output = self.chunk(args[0] if len(args) == 1 else args)
+        if isinstance(output, dict):
+            return tuple(output[key].contiguous() for key in self.keys)
         return tuple(t.contiguous() for t in output) if isinstance(output, tuple) else output
 
 

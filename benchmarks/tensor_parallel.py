@@ -97,6 +97,7 @@ def llama_stage(
 
 
 MODELS = {"gpt": gpt_stage, "llama": llama_stage}
+MESSAGE_KEYS = {"llama": ("hidden", "input_ids")}  # a Llama stage hands on a dict (the GPT a tuple)
 
 
 class Pipeclock:
@@ -118,11 +119,13 @@ class Torch:
 
     name = "torch"
 
-    def __init__(self, chunk: nn.Module, loss: TokenCrossEntropy, mesh, setting: Setting):
+    def __init__(
+        self, chunk: nn.Module, loss: TokenCrossEntropy, mesh, setting: Setting, keys: tuple[str, ...] = ()
+    ):
         self.module = chunk
         stage, stages = parallel.pp_rank(mesh), mesh["pp"].size()
         self.first, self.last = stage == 0, stage == stages - 1
-        wrapped = StageArguments(chunk)  # one argument, and contiguous outputs for gloo
+        wrapped = StageArguments(chunk, keys)  # one argument, contiguous outputs for gloo
         pipe_stage = pipelining.PipelineStage(
             wrapped, stage, stages, comms.device(), group=mesh.get_group("pp")
         )
@@ -169,7 +172,7 @@ def compare(model: str, setting: Setting, mesh) -> dict:
     for make in (
         lambda *built: Pipeclock(*built, metered=True),
         lambda *built: Pipeclock(*built, metered=False),
-        Torch,
+        lambda *built: Torch(*built, keys=MESSAGE_KEYS.get(model, ())),
     ):
         chunk, plan, loss = MODELS[model](setting, stage, stages)
         parallel.tensor_parallel([chunk], mesh, plan)
