@@ -10,6 +10,10 @@ How a page quotes a command (the full text is in ``tools/docs_build.py`` and doc
   not the value after ``= ``), ``any: REGEX`` (any line where REGEX finds the same text), or
   ``long: REASON``: then this test skips the command with that reason, unless PIPECLOCK_DOCS_LONG=1.
   ``make docs`` runs the long ones too, and fails if their quotes no longer match.
+
+A ``schedule`` or ``plan`` command starts no other process: it runs in the test's own
+(``docs_build.run_here``), as ``make docs`` runs it; a lab runs on forked ranks (``tests.commands``).
+Tests below run one of each as typed and check that it prints the same.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.commands import run_once
+from tests.commands import run_lab_forked, run_once
 from tools.docs_build import (
     Mismatch,
     Notes,
@@ -31,6 +35,9 @@ from tools.docs_build import (
     matched_lines,
     pages,
     read_blocks,
+    run_command,
+    run_here,
+    runs_here,
 )
 from tools.docs_tables import refresh_generated
 
@@ -50,6 +57,25 @@ def test_a_quoted_command_prints_what_its_page_shows(block):
         check(block, ran)
     except Mismatch as mismatch:
         pytest.fail(f"{block}\n{mismatch}\n--- printed:\n{ran.stdout}{ran.stderr}")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "python -m pipeclock schedule 1f1b --stages 2 --microbatches 4 --program",
+        "python -m pipeclock plan --params 20e9 --layers 64 --stages 16 --schedules 1f1b --microbatches 8",
+    ],
+)
+def test_a_command_run_in_this_process_prints_what_it_prints_as_typed(command):
+    assert runs_here(command)
+    here, typed = run_here(command), run_command(command)
+    assert (here.returncode, here.stdout, here.stderr) == (typed.returncode, typed.stdout, typed.stderr)
+
+
+def test_a_lab_the_suite_runs_on_forked_ranks_prints_what_its_page_shows_as_typed_too():
+    (block,) = [block for block in BLOCKS if block.command == "python -m pipeclock lab 3"]
+    assert run_lab_forked(block.command) is not None, "the per-block test forks its ranks"
+    check(block, run_command(block.command))  # pipeclock lab, then torchrun, then the lab's processes
 
 
 def test_every_page_quotes_commands_and_the_long_ones_say_why():

@@ -63,7 +63,9 @@ from tools.docs_tables import refresh_generated
 REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs"
 OMITTED = "..."
-SIMULATOR = "python -m pipeclock schedule"  # commands that start no process: the --quick build
+SIMULATOR = "python -m pipeclock schedule"  # the simulator's commands: the --quick build
+# Commands that start no other process and leave no state behind: run in the builder's own process.
+IN_PROCESS = (SIMULATOR + " ", "python -m pipeclock plan ")
 COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with its process group
 
 _NOTE_KEYS = ("vary", "any", "long", "figure", "exit")
@@ -105,6 +107,16 @@ class Block:
     @property
     def simulator_only(self) -> bool:
         return self.command.startswith(SIMULATOR)
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether `run_here` runs it: a fresh interpreter would cost more than the command."""
+        return runs_here(self.command)
+
+
+def runs_here(command: str) -> bool:
+    """A ``schedule`` or ``plan`` command, as typed (no environment words): it starts no process."""
+    return command.startswith(IN_PROCESS)
 
 
 class PageError(ValueError):
@@ -314,13 +326,16 @@ def run_command(command: str, timeout: float = COMMAND_TIMEOUT) -> Ran:
 
 
 def run_here(command: str) -> Ran:
-    """A simulator command (``SIMULATOR ...``, no environment words) run in this process, from the
-    repository root: it starts no other process, and a fresh interpreter would cost more than the command
-    (torch's import, every time). The docs test runs each one as typed too, and compares the two."""
+    """A command that `runs_here` run in this process, from the repository root: it starts no other
+    process, and a fresh interpreter would cost more than the command (torch's import, every time).
+    ``tests/test_docs.py`` checks that a typed run prints the same."""
+    import torch
+
     from pipeclock.cli.dispatch import main
 
     words = shlex.split(command)[3:]  # after "python -m pipeclock"
     out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, Path.cwd()
+    threads = torch.get_num_threads()
     start = time.perf_counter()
     try:
         os.chdir(REPOSITORY)
@@ -329,6 +344,7 @@ def run_here(command: str) -> Ran:
     finally:
         os.chdir(cwd)
         sys.argv = argv
+        torch.set_num_threads(threads)  # a plan that measures sets them: the builder's stay as they were
     return Ran(code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
 
 
@@ -401,7 +417,7 @@ def _build_block(block: Block, figures: Path) -> Outcome:
     outcome = Outcome(block)
     for drawn, _ in block.notes.figures:  # so that a figure the command no longer draws is noticed;
         (REPOSITORY / drawn).unlink(missing_ok=True)  # the page's copy is replaced only by a good run
-    ran = run_here(block.command) if block.simulator_only else run_command(block.command)
+    ran = run_here(block.command) if block.runs_here else run_command(block.command)
     outcome.seconds = ran.seconds
     try:
         outcome.refreshed = check(block, ran)
