@@ -174,6 +174,14 @@ def command(rank: int, world_size: int, argv: list[str]) -> Printed:
     return Printed(code, out.getvalue(), err.getvalue())
 
 
+def printed(job: Started) -> str:
+    """What a `command` job printed (its ranks' standard output, rank 0 first: rank 0 speaks for a
+    run), after asserting that every rank ended with exit code 0."""
+    ranks = job.values()
+    assert all(rank.code == 0 for rank in ranks), [(rank.code, rank.err) for rank in ranks]
+    return "".join(rank.out for rank in ranks)
+
+
 def _describe(outcome: RankOutcome) -> str:
     if outcome.hung:
         return f"rank {outcome.rank} hung"

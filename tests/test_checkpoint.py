@@ -32,7 +32,7 @@ from pipeclock.checkpoints import save_load as checkpoint
 from pipeclock.model import ShardedMLP
 from pipeclock.training.loop import TrainConfig, train
 from tests.checkpoint_damage import damages, flip_a_byte, truncate
-from tests.distributed import Started, command, run_ok, run_ranks, start_ranks
+from tests.distributed import Started, command, printed, run_ok, run_ranks, start_ranks
 from tests.jobs import LAUNCH_TIMEOUT, losses_of
 
 MODEL = {"hidden": 32, "layers": 8, "batch_size": 16, "microbatches": 4}
@@ -178,13 +178,6 @@ class Runs:
         return self.reference[0]["losses"]
 
 
-def _log(job: Started) -> str:
-    """What a train job printed (rank 0 speaks for the run), after asserting that every rank succeeded."""
-    printed = job.values()
-    assert all(rank.code == 0 for rank in printed), [(rank.code, rank.err) for rank in printed]
-    return "".join(rank.out for rank in printed)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Iterator[Runs]:
     tmp = tmp_path_factory.mktemp("checkpoints")
@@ -203,7 +196,7 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
     try:
         first = {"halt": train_job("halt", 2, steps=10), "four": train_job("four", 4, steps=10)}
         reference = run_ok(_train_then_chain_the_stages, 2, str(d("reference")), probe, timeout=60)
-        logs = {name: _log(job) for name, job in first.items()}
+        logs = {name: printed(job) for name, job in first.items()}
         shutil.copytree(d("four"), d("four_to_2"))
         second = {
             "resume": train_job("resume", 2, directory="halt", steps=STEPS, resume=True),
@@ -219,7 +212,7 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
             ),
         }
         killed_save = run_ranks(_die_while_saving_step_10, 2, str(d("killed_save")), timeout=60, linger=False)
-        logs |= {name: _log(job) for name, job in second.items()}
+        logs |= {name: printed(job) for name, job in second.items()}
         yield Runs(tmp, reference, logs, killed_save)
     finally:
         for job in started:

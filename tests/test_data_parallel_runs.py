@@ -23,7 +23,7 @@ from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.text import TextCorpus
-from tests.distributed import Started, command, free_port, start_ranks
+from tests.distributed import Started, command, free_port, printed, start_ranks
 from tests.jobs import LAUNCH_TIMEOUT, Launch, losses_of
 
 GPT = dict(model="gpt", dim=32, layers=4, heads=2, seq_len=32, batch_size=9, microbatches=2, dropout=0.1)
@@ -73,11 +73,7 @@ class Runs:
 
 def _log(job: Launch | Started) -> str:
     """A job's standard output (rank 0 speaks for the run), after asserting that it succeeded."""
-    if isinstance(job, Launch):
-        return job.result()
-    printed = job.values()
-    assert all(rank.code == 0 for rank in printed), [(rank.code, rank.err) for rank in printed]
-    return "".join(rank.out for rank in printed)
+    return job.result() if isinstance(job, Launch) else printed(job)
 
 
 @pytest.fixture(scope="module")

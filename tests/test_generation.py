@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import io
-import json
 import os
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import replace
@@ -26,11 +25,8 @@ from pipeclock.models.decoding import PromptCache, forward_cached
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.sampling import choose, sample, uniform_for
 from pipeclock.training.loop import TrainConfig, train
-from tests.distributed import run_ok
-from tests.generation_cases import CASES, PROMPTS, STOP, TOKENS, case_name, generate_cases, stop_for
-from tests.jobs import Launch
-
-CASES_MODULE = "tests.generation_cases"
+from tests.distributed import run_ok, start_ranks
+from tests.generation_cases import CASES, PROMPTS, STOP, TOKENS, case_name, generate_cases, on_ranks, stop_for
 
 TINY = GPTConfig(dim=16, layers=2, heads=2, seq_len=16, seed=3)
 TRAIN = dict(model="gpt", dim=16, layers=2, heads=2, seq_len=16, batch_size=4, microbatches=2, steps=1)
@@ -167,13 +163,9 @@ def reference(directory: str, temperature: float, cache: bool, stop: bytes) -> l
 
 
 @pytest.fixture(scope="module")
-def generated(checkpoints, tmp_path_factory) -> dict[int, dict[str, list[str]]]:
+def generated(checkpoints) -> dict[int, dict[str, list[str]]]:
     """Every case of ``tests.generation_cases`` on 1, 2 and 3 ranks: {ranks: {case: bytes per prompt}}."""
-    root = tmp_path_factory.mktemp("generated")
-    launches = {
-        p: Launch(root / f"p{p}", p, [str(root / f"p{p}.json"), *checkpoints], module=CASES_MODULE)
-        for p in (2, 3)
-    }
+    launches = {p: start_ranks(on_ranks, p, checkpoints, deadline=300) for p in (2, 3)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -182,8 +174,7 @@ def generated(checkpoints, tmp_path_factory) -> dict[int, dict[str, list[str]]]:
         comms.shutdown()
         torch.set_num_threads(threads)
     for p, launch in launches.items():
-        launch.result()
-        found[p] = json.loads((root / f"p{p}.json").read_text())
+        found[p] = launch.values()[-1]  # the last rank's
     return found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeclock.cli.commands.lab import environment
-from tests.commands import run_once
+from tests.commands import run_lab_forked, run_once
 from tests.jobs import signal_group_when
 
 LABS = Path(__file__).resolve().parents[1] / "labs"
@@ -26,13 +27,8 @@ def run_lab_in_process(name: str, args: list[str], monkeypatch, capsys) -> str:
 
 
 def run_lab_command(number: int, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeclock", "lab", str(number), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=LABS.parent,
-    )
+    """``python -m pipeclock lab NUMBER ARGS``, its script on forked ranks (``tests.commands``)."""
+    done = run_lab_forked(shlex.join(["python", "-m", "pipeclock", "lab", str(number), *args]))
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
