@@ -18,8 +18,9 @@ demo: $(STAMP)
 
 # -q -ra --tb=short: short tracebacks, and the failures' one-line summary last, where a CI log's tail shows it.
 # -m "not long": the tests that take minutes (the Hugging Face family sweep) are test-slow's.
+# -n 2 --dist loadfile: two workers, each taking a module at a time (tests/conftest.py: which go first).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 -m "not long" tests
+	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 -n 2 --dist loadfile -m "not long" tests
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --tb=short --durations=25 -m long tests

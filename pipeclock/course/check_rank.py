@@ -234,6 +234,8 @@ def run_rank(
 ) -> None:
     """A process's whole life: join the group, check every case, leave. Whatever ends it early (a peer
     gone, an error in the learner's file at import) is one report, never a traceback."""
+    with open(os.devnull, "w") as quiet:  # gloo's and the store's complaints when a peer is gone
+        os.dup2(quiet.fileno(), 2)  # (C++, straight to the file): the verdict says what happened
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
