@@ -3,6 +3,7 @@
     python -m benchmarks.tensor_parallel            # starts torchrun on 4 ranks; writes
                                                     # benchmarks/results/tensor_parallel.json
     python -m benchmarks.tensor_parallel --smallest --out /tmp/tp.json  # a quick check
+    python -m benchmarks.tensor_parallel --pin --steps 32   # rank r on core r mod cores, 32 rounds
 
 Four gloo processes on the CPU form one ``(dp 1, pp 2, tp 2)`` mesh (``parallel.init_mesh``). For each
 model, the GPT and a Hugging Face Llama, every rank builds its stage once per engine from the same seed
@@ -31,7 +32,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -253,15 +254,19 @@ def _foreign_share(step: tuple[Sample, ...], wall: float) -> float | None:
     return max(0.0, busy - sum(s.cpu_s for s in step)) / (load.cores() * wall)
 
 
-def worker(setting: Setting, output: Path) -> None:
+def worker(setting: Setting, output: Path, pin: bool) -> None:
     rank, world = comms.init()
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    if pin:  # rank r on core r mod cores: a stage's tp ranks side by side, the stages taking turns
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     mesh = parallel.init_mesh(1, TP)
     rows = [compare(model, setting, mesh) for model in MODELS]
     if rank == 0:
         meta = {
             "layout": f"dp 1 x pp {world // TP} x tp {TP}, gloo on the CPU, 1 thread per process",
-            "cores": len(os.sched_getaffinity(0)),
+            "cores": len(cores),
+            "pinned": pin,
             "torch": torch.__version__,
             "setting": setting.__dict__,
         }
@@ -298,12 +303,18 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smallest", action="store_true", help="tiny models and 2 timed steps (a check)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results' JSON file")
+    parser.add_argument("--steps", type=int, help=f"timed rounds (default {FULL.steps})")
+    parser.add_argument(
+        "--pin", action="store_true", help="rank r on core r mod cores (the same for every engine)"
+    )
     args = parser.parse_args()
     setting = SMALLEST if args.smallest else FULL
+    setting = replace(setting, steps=args.steps) if args.steps else setting
     if args.worker:
-        worker(setting, args.out)
+        worker(setting, args.out, args.pin)
         return
     argv = ["--worker", "--out", str(args.out), *(["--smallest"] if args.smallest else [])]
+    argv += [*(["--steps", str(args.steps)] if args.steps else []), *(["--pin"] if args.pin else [])]
     torchrun("benchmarks.tensor_parallel", 2 * TP, argv, timeout=1800)
     results = json.loads(args.out.read_text())
     print("\n".join(table(results["rows"])))
