@@ -37,7 +37,10 @@ PRELOAD = [
     "pipeclock.schedule",
     "pipeclock.training.loop",
     "pipeclock.cli.commands.train",
+    "torch._dynamo",  # every optimizer's constructor imports it: 0.5 s a rank
+    "matplotlib.pyplot",  # the timelines and the labs' figures: 0.4 s
     "transformers",
+    "transformers.models.llama.modeling_llama",  # the first model class pulls in modeling_utils: 1 s
     "tests.distributed",
 ]
 
@@ -208,11 +211,12 @@ def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
                 break
     for rank, proc in enumerate(procs):
         proc.join(timeout=5 if rank in outcomes else 0)
-        if proc.is_alive():
+        lingered = proc.is_alive()  # after its result, in the barrier a peer that failed never reached
+        if lingered:
             proc.kill()
             proc.join()
         outcome = outcomes.setdefault(rank, RankOutcome(rank, hung=True))
-        outcome.exitcode = proc.exitcode if not outcome.hung else None
+        outcome.exitcode = None if outcome.hung or lingered else proc.exitcode  # our kill is not its exit
     return outcomes
 
 
