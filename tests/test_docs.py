@@ -21,12 +21,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from pipeclock.cli.dispatch import main
 from tests.commands import run_lab_forked, run_once
 from tools.docs_build import (
     Mismatch,
@@ -64,6 +63,7 @@ def test_a_quoted_command_prints_what_its_page_shows(block):
     [
         "python -m pipeclock schedule 1f1b --stages 2 --microbatches 4 --program",
         "python -m pipeclock plan --params 20e9 --layers 64 --stages 16 --schedules 1f1b --microbatches 8",
+        "python -m pipeclock lab 5 --check labs/solutions/gpipe.py",
     ],
 )
 def test_a_command_run_in_this_process_prints_what_it_prints_as_typed(command):
@@ -107,16 +107,19 @@ def test_every_figure_a_page_shows_is_drawn_by_a_quoted_command():
     assert shown - others <= drawn, f"figures no command draws: {sorted(shown - others - drawn)}"
 
 
-def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(tmp_path):
+def quick_build(docs: Path, capfd, *pages: str) -> tuple[int, str]:
+    """``python -m pipeclock docs --quick --docs DOCS PAGES`` in this process (a quick build runs only the
+    simulator's commands, which run in the builder's process anyway): its exit code and all it printed."""
+    code = main(["docs", "--quick", "--docs", str(docs), *pages])
+    printed = capfd.readouterr()
+    return code, printed.out + printed.err
+
+
+def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(tmp_path, capfd):
     for page in pages():
         shutil.copy(page, tmp_path / page.name)
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeclock", "docs", "--quick", "--docs", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, said = quick_build(tmp_path, capfd)
+    assert code == 0, said
     simulated = {name for block in BLOCKS if block.simulator_only for _, name in block.notes.figures}
     assert "schedule_1f1b_p4_m8.png" in simulated and "schedule_compare_p4_m8.png" in simulated
     for name in simulated:
@@ -125,19 +128,17 @@ def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(t
         assert (tmp_path / page.name).read_text() == page.read_text(), f"{page.name} was out of date"
 
 
-def test_a_build_of_named_pages_runs_only_their_commands_and_an_unknown_page_is_one_error(tmp_path):
+def test_a_build_of_named_pages_runs_only_their_commands_and_an_unknown_page_is_one_error(tmp_path, capfd):
     for page in pages():
         shutil.copy(page, tmp_path / page.name)
-    docs = [sys.executable, "-m", "pipeclock", "docs", "--quick", "--docs", str(tmp_path)]
-    done = subprocess.run([*docs, "lab6-1f1b"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    code, said = quick_build(tmp_path, capfd, "lab6-1f1b")
+    assert code == 0, said
     on_lab6 = [block for block in BLOCKS if block.page.name == "lab6-1f1b.md" and block.simulator_only]
     lab6 = {name for block in on_lab6 for _, name in block.notes.figures}
     assert lab6 and {path.name for path in (tmp_path / "figures").iterdir()} == lab6
 
-    wrong = subprocess.run([*docs, "lab99"], capture_output=True, text=True, timeout=300)
-    assert wrong.returncode == 2 and "no page lab99.md" in wrong.stdout + wrong.stderr
-    assert "Traceback" not in wrong.stdout + wrong.stderr
+    code, said = quick_build(tmp_path, capfd, "lab99")
+    assert code == 2 and "no page lab99.md" in said and "Traceback" not in said
 
 
 # --- the convention itself ------------------------------------------------------------------------

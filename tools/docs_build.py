@@ -64,8 +64,10 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs"
 OMITTED = "..."
 SIMULATOR = "python -m pipeclock schedule"  # the simulator's commands: the --quick build
-# Commands that start no other process and leave no state behind: run in the builder's own process.
+# Commands that start no interpreter and leave no state behind: run in the builder's own process. A lab's
+# check forks its ranks from the process it runs in and waits for them all before it answers.
 IN_PROCESS = (SIMULATOR + " ", "python -m pipeclock plan ")
+LAB_CHECK = re.compile(r"python -m pipeclock lab \d+ --check \S+")
 COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with its process group
 
 _NOTE_KEYS = ("vary", "any", "long", "figure", "exit")
@@ -115,8 +117,9 @@ class Block:
 
 
 def runs_here(command: str) -> bool:
-    """A ``schedule`` or ``plan`` command, as typed (no environment words): it starts no process."""
-    return command.startswith(IN_PROCESS)
+    """A ``schedule``, ``plan`` or ``lab N --check FILE`` command, as typed (no environment words): it
+    starts no interpreter."""
+    return command.startswith(IN_PROCESS) or LAB_CHECK.fullmatch(command) is not None
 
 
 class PageError(ValueError):
