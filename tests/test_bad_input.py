@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -214,11 +215,17 @@ def launch(tmp_path_factory) -> tuple[list[dict[str, str]], Path]:
     save_csv(schedule.gpipe(2, 4), tmp / "two.csv")
     (tmp / "absent.json").write_text('{"h*.attn.q": "colwise", "h*.attn.qkv": "colwise"}')
     agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    lonely = [_alone(0, free_port()), _alone(1, free_port()), _alone(0, agent.port, agent_store=True)]
-    outcomes = run_ranks(_wrong_usages, 2, str(tmp), timeout=10, deadline=400, linger=False)
+    # Rank 0's port, held bound and never listened on: a connection there is refused, and no other test's
+    # store can take the port meanwhile (one that did once answered rank 1 with a reset instead).
+    with socket.socket() as no_store:
+        no_store.bind(("127.0.0.1", 0))
+        lonely = [_alone(0, free_port()), _alone(1, no_store.getsockname()[1])]
+        lonely.append(_alone(0, agent.port, agent_store=True))
+        outcomes = run_ranks(_wrong_usages, 2, str(tmp), timeout=10, deadline=400, linger=False)
+        never_came = _never_came(lonely)
     assert all(o.ok for o in outcomes), [(o.rank, o.error, o.value) for o in outcomes if not o.ok]
     by_rank = [o.value for o in outcomes]
-    for case, ran in zip(NEVER_CASES, _never_came(lonely), strict=True):
+    for case, ran in zip(NEVER_CASES, never_came, strict=True):
         assert ran["code"] == 1 and not ran["traceback"], (case.usage, ran)
         message = ran["last"].removeprefix("pipeclock train: error: ")
         by_rank[case.reporter][case.usage] = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", message)
