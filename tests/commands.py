@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock.cli.arguments import Parser
-from tests.distributed import Printed, RankOutcome, start_ranks
+from tests.distributed import RankOutcome, start_ranks
 from tools.docs_build import REPOSITORY, Ran, run_command, run_here, runs_here
 
 LAB = ["python", "-m", "pipeclock", "lab"]
@@ -81,7 +81,7 @@ def run_lab_forked(command: str, deadline: float = 300.0) -> Ran | None:
     started = start_ranks(run_lab_script, nproc, str(script), lab_args, threads, deadline=deadline)
     outcomes = started.outcomes()
     printed = [o.value if o.ok else None for o in outcomes]
-    lines = sorted(line for p in printed if p is not None for line in p.out)  # by when each was printed
+    lines = sorted(line for p in printed if p is not None for line in p.lines)  # by when each was printed
     stdout = f"$ {shown}\n" + "".join(text for _, text in lines)
     stderr = "".join(p.err if p is not None else _failure(o) for p, o in zip(printed, outcomes, strict=True))
     code = max((p.code if p is not None else 1) for p in printed)
@@ -101,19 +101,34 @@ class TimedLines(io.TextIOBase):
 
     def write(self, text: str) -> int:
         *done, self._partial = (self._partial + text).split("\n")
-        for line in done:  # strictly later than the line before, so a sort keeps the rank's own order
-            now = max(time.monotonic_ns(), self.lines[-1][0] + 1 if self.lines else 0)
-            self.lines.append((now, line + "\n"))
+        for line in done:
+            self._add(line + "\n")
         return len(text)
 
     def finished(self) -> list[tuple[int, str]]:
+        """Every line, the last one as printed even without its newline."""
         if self._partial:
-            self.write("\n")
-            self.lines[-1] = (self.lines[-1][0], self.lines[-1][1][:-1])
+            self._add(self._partial)
+            self._partial = ""
         return self.lines
 
+    def _add(self, line: str) -> None:
+        """Strictly later than the line before, so that a sort keeps the rank's own order."""
+        now = max(time.monotonic_ns(), self.lines[-1][0] + 1 if self.lines else 0)
+        self.lines.append((now, line))
 
-def run_lab_script(rank: int, world_size: int, script: str, lab_args: list[str], threads: str) -> Printed:
+
+@dataclass(frozen=True)
+class LabPrinted:
+    """What a lab's script said on one rank: its exit code, its standard output's lines with the time
+    each was printed, and its standard error."""
+
+    code: int
+    lines: list[tuple[int, str]]
+    err: str
+
+
+def run_lab_script(rank: int, world_size: int, script: str, lab_args: list[str], threads: str) -> LabPrinted:
     """On one forked rank: the lab's script as torchrun would run it (``__main__``, its folder first on
     the path, run from the repository root, OpenMP's threads as ``pipeclock lab`` sets them)."""
     os.environ.setdefault("OMP_NUM_THREADS", threads)
@@ -127,7 +142,7 @@ def run_lab_script(rank: int, world_size: int, script: str, lab_args: list[str],
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    return Printed(code, out.finished(), err.getvalue())
+    return LabPrinted(code, out.finished(), err.getvalue())
 
 
 def _failure(outcome: RankOutcome) -> str:
