@@ -25,13 +25,12 @@ from pipeclock import comms
 from pipeclock.engine import pytree
 from pipeclock.engine.action_clock import HostClock
 from pipeclock.engine.actions import Action
+from pipeclock.engine.limits import MAX_MICROBATCHES, MAX_STAGES
 from pipeclock.engine.placement import Placement
 
 ACTIVATION, GRADIENT, HEADER = 0, 1, 2
 STEP = 3  # the batch size and the loss, once a step (``pipeclock.engine.step_ends``)
 _KIND_NAMES = {ACTIVATION: "activation", GRADIENT: "gradient", HEADER: "structure header"}
-MAX_STAGES = 512
-MAX_MICROBATCHES = 65536
 
 
 def message_tag(kind: int, stage: int, microbatch: int, leaf: int = 0) -> int:

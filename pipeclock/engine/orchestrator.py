@@ -35,9 +35,10 @@ from pipeclock.engine.action_clock import clock_for
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of, validate
 from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.engine.generators import Generator, generate
+from pipeclock.engine.limits import MAX_MICROBATCHES
 from pipeclock.engine.losses import LossFn
 from pipeclock.engine.memory import ActivationMeter
-from pipeclock.engine.messenger import MAX_MICROBATCHES, Messenger
+from pipeclock.engine.messenger import Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.precision import Precision, parse_precision
 from pipeclock.engine.program import add_reduce_grad, lower, must_finish

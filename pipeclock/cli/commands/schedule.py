@@ -27,11 +27,10 @@ from pipeclock.engine.generators import (
     get_schedule,
     supports_chunks,
 )
-from pipeclock.engine.messenger import MAX_MICROBATCHES, MAX_STAGES
+from pipeclock.engine.limits import MAX_MICROBATCHES, MAX_STAGES
 from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
 from pipeclock.observe.simulate import DeadlockError, simulate
 from pipeclock.observe.timeline import Timeline
-from pipeclock.parallel.mesh import mesh_layout, pipelines
 
 DEFAULT_CHUNKS = 2
 # The most forwards (stages x micro-batches x chunks) one command simulates and draws: the work grows in
@@ -177,6 +176,8 @@ def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1) -> str:
     words = [f"  {kind:<12}{program.WORDS[kind]}" for kind in program.KINDS if kind in used]
     if dp == tp == 1:
         return "\n".join(["program (one line per rank, in order):", program.describe(programs), "", *words])
+    from pipeclock.parallel.mesh import mesh_layout, pipelines  # torch's: only a mesh's program needs it
+
     world = len(programs) * dp * tp
     on_mesh: dict[int, program.Program] = {}
     for ranks in pipelines(world, dp, tp):
