@@ -23,7 +23,7 @@ import torch
 from pipeclock import comms
 from pipeclock.comm_errors import ShapeMismatchError
 from pipeclock.course.computes import Computes
-from pipeclock.course.learner_file import load_function
+from pipeclock.course.learner_file import line_by_line, load_function
 from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
 from pipeclock.course.reference import Case, Reference, close, gap
 from pipeclock.model import ShardedMLP
@@ -236,6 +236,7 @@ def run_rank(
     gone, an error in the learner's file at import) is one report, never a traceback."""
     with open(os.devnull, "w") as quiet:  # gloo's and the store's complaints when a peer is gone
         os.dup2(quiet.fileno(), 2)  # (C++, straight to the file): the verdict says what happened
+    line_by_line()
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),

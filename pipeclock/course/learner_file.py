@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -82,7 +83,16 @@ def probe(path: Path, name: str, limit: float = IMPORT_LIMIT) -> None:
         raise LoadError(answer)
 
 
+def line_by_line() -> None:
+    """The learner's prints leave this watched child line by line, into a pipe too (``... | tee``): the
+    child may end (``os._exit``) or be stopped before it could flush a buffer, and the lines with it."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a text file's; not a StringIO's
+    if reconfigure is not None:
+        reconfigure(line_buffering=True)
+
+
 def _import_in_child(path: str, name: str, answer) -> None:
+    line_by_line()
     learner = Path(path)
     for call in GUARDED:
         setattr(comms, call, _refused(call))

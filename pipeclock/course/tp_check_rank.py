@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipeclock.course.learner_file import line_by_line
 from pipeclock.course.tp_reference import WIDTH, Reference, close, how_far, scale, share, span
 
 CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
@@ -322,6 +323,7 @@ def run_rank(rank: int, world: int, store: str, learner: str, events) -> None:
     on, and their errors would be news of this one, not faults of their own."""
     with open(os.devnull, "w") as quiet:
         os.dup2(quiet.fileno(), 2)  # torch's warnings and gloo's complaints when a peer is stopped
+    line_by_line()
     torch.set_num_threads(1)
     check = RankCheck(rank, world, Path(learner), events)
     try:
