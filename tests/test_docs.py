@@ -11,9 +11,9 @@ How a page quotes a command (the full text is in ``tools/docs_build.py`` and doc
   ``long: REASON``: then this test skips the command with that reason, unless PIPECLOCK_DOCS_LONG=1.
   ``make docs`` runs the long ones too, and fails if their quotes no longer match.
 
-A ``schedule`` or ``plan`` command starts no other process: it runs in the test's own
-(``docs_build.run_here``), as ``make docs`` runs it; a lab runs on forked ranks (``tests.commands``).
-Tests below run one of each as typed and check that it prints the same.
+A ``schedule``, ``plan`` or loop lab's ``--check`` command starts no interpreter: it runs in the test's
+own process (``docs_build.run_here``), as ``make docs`` runs it; a lab runs on forked ranks
+(``tests.commands``). Tests below run one of each as typed and check that it prints the same.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ def test_a_quoted_command_prints_what_its_page_shows(block):
         "python -m pipeclock schedule 1f1b --stages 2 --microbatches 4 --program",
         "python -m pipeclock plan --params 20e9 --layers 64 --stages 16 --schedules 1f1b --microbatches 8",
         "python -m pipeclock lab 5 --check labs/solutions/gpipe.py",
+        "python -m pipeclock lab 4 --check tests/naive_that_prints.py",
     ],
 )
 def test_a_command_run_in_this_process_prints_what_it_prints_as_typed(command):
@@ -110,7 +112,11 @@ def test_every_figure_a_page_shows_is_drawn_by_a_quoted_command():
 def quick_build(docs: Path, capfd, *pages: str) -> tuple[int, str]:
     """``python -m pipeclock docs --quick --docs DOCS PAGES`` in this process (a quick build runs only the
     simulator's commands, which run in the builder's process anyway): its exit code and all it printed."""
-    code = main(["docs", "--quick", "--docs", str(docs), *pages])
+    argv = sys.argv
+    try:
+        code = main(["docs", "--quick", "--docs", str(docs), *pages])
+    finally:
+        sys.argv = argv  # main() names the command in it
     printed = capfd.readouterr()
     return code, printed.out + printed.err
 

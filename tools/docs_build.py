@@ -53,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,10 +65,11 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 DOCS = REPOSITORY / "docs"
 OMITTED = "..."
 SIMULATOR = "python -m pipeclock schedule"  # the simulator's commands: the --quick build
-# Commands that start no interpreter and leave no state behind: run in the builder's own process. A lab's
-# check forks its ranks from the process it runs in and waits for them all before it answers.
+# Commands that start no interpreter and leave no state behind: run in the builder's own process. The
+# loop labs' check (4 to 7) forks its ranks from the process it runs in, imports the learner's file only in
+# them, and waits for them all before it answers; lab 12's check imports the file in its caller, so not it.
 IN_PROCESS = (SIMULATOR + " ", "python -m pipeclock plan ")
-LAB_CHECK = re.compile(r"python -m pipeclock lab \d+ --check \S+")
+LAB_CHECK = re.compile(r"python -m pipeclock lab [4-7] --check \S+")
 COMMAND_TIMEOUT = 300.0  # seconds; a command still running then is killed with its process group
 
 _NOTE_KEYS = ("vary", "any", "long", "figure", "exit")
@@ -112,7 +114,7 @@ class Block:
 
     @property
     def runs_here(self) -> bool:
-        """Whether `run_here` runs it: a fresh interpreter would cost more than the command."""
+        """Whether `run_here` runs it (`runs_here`)."""
         return runs_here(self.command)
 
 
@@ -329,26 +331,34 @@ def run_command(command: str, timeout: float = COMMAND_TIMEOUT) -> Ran:
 
 
 def run_here(command: str) -> Ran:
-    """A command that `runs_here` run in this process, from the repository root: it starts no other
-    process, and a fresh interpreter would cost more than the command (torch's import, every time).
-    ``tests/test_docs.py`` checks that a typed run prints the same."""
-    import torch
-
+    """A command that `runs_here` run in this process, from the repository root: it starts no
+    interpreter, and a fresh one would cost more than the command (torch's import, every time). What it
+    prints goes to line-buffered files that the processes a check forks inherit, so their lines (a
+    learner's print) are caught too, in the order written. No timeout of its own: a check's ranks have
+    the checker's. ``tests/test_docs.py`` checks that a typed run prints the same."""
     from pipeclock.cli.dispatch import main
 
     words = shlex.split(command)[3:]  # after "python -m pipeclock"
-    out, err, argv, cwd = io.StringIO(), io.StringIO(), sys.argv, Path.cwd()
-    threads = torch.get_num_threads()
+    argv, cwd = sys.argv, Path.cwd()
+    torch = sys.modules.get("torch")  # a simulator command imports none
+    threads = torch.get_num_threads() if torch else None
     start = time.perf_counter()
-    try:
-        os.chdir(REPOSITORY)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(words)
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-        torch.set_num_threads(threads)  # a plan that measures sets them: the builder's stay as they were
-    return Ran(code, out.getvalue(), err.getvalue(), time.perf_counter() - start)
+    with tempfile.TemporaryFile("w+", buffering=1) as out, tempfile.TemporaryFile("w+", buffering=1) as err:
+        try:
+            os.chdir(REPOSITORY)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(words)
+        finally:
+            os.chdir(cwd)
+            sys.argv = argv
+            if threads is not None:  # a plan that measures sets them: the builder's stay as they were
+                torch.set_num_threads(threads)
+        return Ran(code, _read(out), _read(err), time.perf_counter() - start)
+
+
+def _read(printed: io.TextIOBase) -> str:
+    printed.seek(0)
+    return printed.read()
 
 
 def _end_group(group: int) -> None:
