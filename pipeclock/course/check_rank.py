@@ -11,6 +11,7 @@ happens, the process ends without printing a traceback: the checker says what we
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from pipeclock import comms
 from pipeclock.comm_errors import ShapeMismatchError
@@ -230,7 +232,7 @@ def leave(events, code: int) -> None:
 
 
 def run_rank(
-    rank: int, world: int, port: int, chunks: int, learner: str, function: str, cases, events
+    rank: int, world: int, store: str, chunks: int, learner: str, function: str, cases, events
 ) -> None:
     """A process's whole life: join the group, check every case, leave. Whatever ends it early (a peer
     gone, an error in the learner's file at import) is one report, never a traceback."""
@@ -242,14 +244,20 @@ def run_rank(
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
     )
+    for inherited in ("MASTER_ADDR", "MASTER_PORT"):  # a launcher's, around the check: not this group's
+        os.environ.pop(inherited, None)
     torch.set_num_threads(1)
     check = RankCheck(rank, world, chunks, Path(learner), function, events)
     try:
         function = load_function(check.learner, function)  # before the group exists: it cannot talk yet
-        comms.init("gloo", timeout=300.0)  # the checker's own stall detection comes first
+        # the group meets in ``store`` (a file); comms.init then takes it, with the checker's timeout
+        # (its own stall detection comes first)
+        limit = datetime.timedelta(seconds=300.0)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=limit
+        )
+        comms.init("gloo", timeout=300.0)
         with check.recorder:
             check.run(function, cases)
         comms.shutdown()
