@@ -57,7 +57,7 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
-from pipeclock.models.split import partition
+from pipeclock.models.partition import partition
 from pipeclock.observe.simulate import simulate
 from pipeclock.plan.model_specs import gpt_spec, mlp_spec
 from pipeclock.plan.planner import cut_for, judge

@@ -10,7 +10,8 @@ from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie
 from pipeclock.models.gpt import GPT, GPTConfig, gpt_sequential
 from pipeclock.models.mlp import ShardedMLP, full_mlp, parameter_bytes
-from pipeclock.models.split import partition, split_sequential
+from pipeclock.models.partition import partition
+from pipeclock.models.split import split_sequential
 
 __all__ = [
     "GPT",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeclock.models.gpt import GPTConfig
-from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
+from pipeclock.models.partition import cut_by_stage_cost, partition, partition_by_cost
 from pipeclock.plan.model_specs import gpt_spec, mlp_spec
 from pipeclock.plan.profile import ALIKE, profile
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from pipeclock.engine.generators import generate
-from pipeclock.models.split import partition
+from pipeclock.models.partition import partition
 from pipeclock.plan.cuda_memory import MIB, cublas_workspace, rounded, workspaces
 from pipeclock.plan.model_specs import mlp_spec
 from pipeclock.plan.profile import profile

@@ -240,7 +240,7 @@ def test_an_hf_config_is_planned_each_rank_holding_the_parameters_its_split_hold
     from transformers import GPT2Config
 
     from pipeclock.models import hf
-    from pipeclock.models.split import partition
+    from pipeclock.models.partition import partition
     from pipeclock.plan.model_specs import hf_spec
 
     config = GPT2Config(

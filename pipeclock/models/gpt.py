@@ -40,7 +40,8 @@ from torch import nn
 
 from pipeclock.engine.rng import KeyedDropout
 from pipeclock.engine.ties import tie, tie_key
-from pipeclock.models.split import PlacementLike, partition, resolve_placement, virtual_stages
+from pipeclock.models.partition import partition
+from pipeclock.models.split import PlacementLike, resolve_placement, virtual_stages
 
 TIED_KEY = "embed.wte.weight"
 Hidden = tuple[torch.Tensor, torch.Tensor]  # (hidden states, positions)

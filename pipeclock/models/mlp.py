@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeclock.models.split import PlacementLike, check_stage, partition, resolve_placement, virtual_stages
+from pipeclock.models.partition import partition
+from pipeclock.models.split import PlacementLike, check_stage, resolve_placement, virtual_stages
 
 
 class ShardedMLP(nn.Module):

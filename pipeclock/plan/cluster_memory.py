@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import generate
-from pipeclock.models.split import partition
+from pipeclock.models.partition import partition
 from pipeclock.plan import activations, calibration
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel

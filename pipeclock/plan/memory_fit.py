@@ -24,7 +24,7 @@ import torch
 from pipeclock import comms
 from pipeclock.engine.actions import Schedule
 from pipeclock.models.gpt import GPTConfig
-from pipeclock.models.split import partition
+from pipeclock.models.partition import partition
 from pipeclock.observe.sizes import format_bytes
 from pipeclock.plan.model_layers import rough_layers
 from pipeclock.plan.rank_memory import Recompute, Training, rank_memory

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from pipeclock.observe.sizes import format_bytes
-from pipeclock.plan.profile import LayerCost
+from pipeclock.plan.layer_cost import LayerCost
 from pipeclock.plan.rank_memory import Training, held_parameters
 
 MODEL_BATCH_SIZES = {"mlp": 128, "gpt": 16, "hf": 16, "params": 128}

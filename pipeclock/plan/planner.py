@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.program import Instruction
-from pipeclock.models.split import cut_by_stage_cost, partition, partition_by_cost
+from pipeclock.models.partition import cut_by_stage_cost, partition, partition_by_cost
 from pipeclock.observe.simulate import Link, simulate
 from pipeclock.observe.timeline import Timeline
-from pipeclock.plan.profile import LayerCost
+from pipeclock.plan.layer_cost import LayerCost
 from pipeclock.plan.rank_memory import RankMemory, Training, rank_memory, stage_bytes
 
 BALANCES = ("layers", "time", "memory")

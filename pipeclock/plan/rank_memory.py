@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of
 from pipeclock.plan import cuda_memory
-from pipeclock.plan.profile import LayerCost
+from pipeclock.plan.layer_cost import LayerCost
 
 FP32_BYTES = 4  # a weight, and its gradient, in fp32
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "momentum": 4, "sgd": 0}  # per parameter, fp32

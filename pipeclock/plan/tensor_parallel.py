@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipeclock.observe.simulate import Link
-from pipeclock.plan.profile import LayerCost
+from pipeclock.plan.layer_cost import LayerCost
 
 # collectives per layer, each way, by the kind of layer a model's spec names
 TRANSFORMER = {"embed": 1.0, "block": 2.0, "layer": 2.0, "head": 1.0}

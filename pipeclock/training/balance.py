@@ -38,7 +38,7 @@ def stage_cut(config, table) -> list[range] | None:
 
 
 def _by_count(config, num_virtual: int) -> str:
-    from pipeclock.models.split import partition
+    from pipeclock.models.partition import partition
 
     layers = _spec(config).num_layers
     return " | ".join(f"{part.start}..{part.stop - 1}" for part in partition(layers, num_virtual))

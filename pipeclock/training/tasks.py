@@ -19,8 +19,8 @@ from pipeclock.engine.placement import Placement
 from pipeclock.models import gpt, mlp
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
+from pipeclock.models.partition import partition
 from pipeclock.models.regression import SyntheticRegression
-from pipeclock.models.split import partition
 from pipeclock.models.text import TextCorpus, bigram_bits_per_byte, bits_per_byte
 from pipeclock.parallel.tensor_parallel import read_plan
 

@@ -156,7 +156,7 @@ def _init_module(model: nn.Module, module: nn.Module, seed: int, name: str) -> N
 
 def stage_cut(layout: Layout, num_virtual: int, balance: Sequence | None) -> list[range]:
     """The pieces of every virtual stage: balanced by count, or as ``balance`` says (ranges or sizes)."""
-    from pipeclock.models.split import partition
+    from pipeclock.models.partition import partition
 
     if num_virtual > layout.num_pieces:
         raise ValueError(
