@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from pipeclock.engine.generators import generate
-from pipeclock.engine.program import lower, simulate_program
+from pipeclock.engine.program import lower
+from pipeclock.engine.program_run import simulate_program
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLAMA_405B = Path(__file__).resolve().parent.parent / "docs" / "cluster" / "llama-3.1-405b.json"

@@ -25,7 +25,8 @@ from benchmarks.launch import ROOT, torchrun
 from pipeclock import comms
 from pipeclock.engine.actions import join_first_stage_backwards
 from pipeclock.engine.generators import generate
-from pipeclock.engine.program import Instruction, lower, simulate_program
+from pipeclock.engine.program import Instruction, lower
+from pipeclock.engine.program_run import simulate_program
 
 FLOAT_BYTES = 4
 RESULTS = ROOT / "benchmarks" / "results"

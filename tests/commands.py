@@ -6,7 +6,7 @@ runs halves the time the labs take in the suite.
 
 A fresh interpreter costs seconds of imports (torch's, more on a loaded machine), often more than the
 command itself. So a ``schedule``, ``plan`` or ``lab N --check FILE`` command runs in this process
-(``docs_build.run_here``; a check forks its ranks from it), and
+(``docs_run.run_here``; a check forks its ranks from it), and
 ``python -m pipeclock lab N ARGS`` runs the lab's script on ranks forked from the preloaded rank server
 (``tests.distributed``), with the environment, arguments and working directory the ``lab`` command gives
 it under torchrun, after the line that command prints: it is the lab's work that the pages quote, and the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pipeclock.cli.arguments import Parser
 from tests.distributed import RankOutcome, start_ranks
-from tools.docs_build import REPOSITORY, Ran, run_command, run_here, runs_here
+from tools.docs_run import REPOSITORY, Ran, run_command, run_here, runs_here
 
 LAB = ["python", "-m", "pipeclock", "lab"]
 
@@ -52,8 +52,8 @@ class Run:
 @functools.cache
 def run_once(command: str) -> Run:
     """Run a page's command from the repository root, once per session: in this process where it starts
-    no interpreter (``docs_build.runs_here``: schedule, plan, a lab's check), a lab on forked ranks
-    (`run_lab_forked`), anything else as typed (``docs_build.run_command``)."""
+    no interpreter (``docs_run.runs_here``: schedule, plan, a lab's check), a lab on forked ranks
+    (`run_lab_forked`), anything else as typed (``docs_run.run_command``)."""
     started = time.time()
     if runs_here(command):
         return Run(run_here(command), started)

@@ -1,5 +1,5 @@
 """A right naive loop that prints, when imported and at every step, as a learner's debugging would: its
-check shows those lines whether it runs in its caller's process (``docs_build.run_here``) or as typed."""
+check shows those lines whether it runs in its caller's process (``docs_run.run_here``) or as typed."""
 
 import runpy
 from pathlib import Path

@@ -12,7 +12,7 @@ How a page quotes a command (the full text is in ``tools/docs_build.py`` and doc
   ``make docs`` runs the long ones too, and fails if their quotes no longer match.
 
 A ``schedule``, ``plan`` or loop lab's ``--check`` command starts no interpreter: it runs in the test's
-own process (``docs_build.run_here``), as ``make docs`` runs it; a lab runs on forked ranks
+own process (``docs_run.run_here``), as ``make docs`` runs it; a lab runs on forked ranks
 (``tests.commands``). Tests below run one of each as typed and check that it prints the same.
 """
 
@@ -35,10 +35,8 @@ from tools.docs_build import (
     matched_lines,
     pages,
     read_blocks,
-    run_command,
-    run_here,
-    runs_here,
 )
+from tools.docs_run import run_command, run_here, runs_here
 from tools.docs_tables import refresh_generated
 
 RUN_LONG = os.environ.get("PIPECLOCK_DOCS_LONG") == "1"

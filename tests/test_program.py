@@ -22,6 +22,7 @@ from pipeclock.engine import program
 from pipeclock.engine.actions import Action, Schedule, dependencies, placement_of
 from pipeclock.engine.csv_schedule import ScheduleFileError, load_csv, save_csv
 from pipeclock.engine.generators import SCHEDULES, chunks_of, generate
+from pipeclock.engine.program_run import simulate_program
 from pipeclock.observe.simulate import simulate
 
 COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -46,7 +47,7 @@ def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, 
     table = generate(name, p, m, chunks_for(name))
     programs = program.lower(table, replicas=replicas, ties=True)
     program.check(programs)
-    program.simulate_program(programs, compute_cost, latency=0.5)
+    simulate_program(programs, compute_cost, latency=0.5)
     for rank, rank_program in enumerate(programs):
         assert [i.action for i in rank_program if i.is_compute] == list(table[rank])
         assert (rank_program[0].kind, rank_program[-1].kind) == ("SIZES", "LOSS")
@@ -81,7 +82,7 @@ def test_with_free_messages_each_compute_starts_once_its_rank_is_free_and_its_in
             inputs = [(ended if r == rank else sent)[(r, a)] for r, a in needs]
             assert span.start == max([free, *inputs]), (rank, span)
             free = span.end
-    assert timeline.makespan == program.simulate_program(program.lower(table), compute_cost).makespan
+    assert timeline.makespan == simulate_program(program.lower(table), compute_cost).makespan
 
 
 def test_a_receive_is_posted_just_before_the_compute_that_uses_it_and_stage_0_agrees_after_its_f0():
@@ -103,8 +104,8 @@ def test_stages_on_one_rank_hand_over_in_memory_without_messages():
 
 def test_messages_cost_latency_and_bytes_over_bandwidth():
     programs = program.lower(generate("gpipe", 2, 1))
-    free = program.simulate_program(programs, compute_cost)
-    paid = program.simulate_program(
+    free = simulate_program(programs, compute_cost)
+    paid = simulate_program(
         programs, compute_cost, latency=0.25, bandwidth=100.0, message_bytes=lambda _: 50.0
     )
     assert paid.makespan == free.makespan + 2 * (0.25 + 0.5)  # one activation, one gradient

@@ -28,6 +28,7 @@ from pipeclock.engine import program as programs
 from pipeclock.engine.actions import Action, Schedule, placement_of, validate
 from pipeclock.engine.placement import Placement
 from pipeclock.engine.program import Instruction
+from pipeclock.engine.program_run import must_finish, simulate_program
 
 _CELL = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _COMM_CELL = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
@@ -119,7 +120,7 @@ def _read_programs(
         read.append(programs.place_agree([*program, Instruction("SUM_TIED"), Instruction("LOSS")], late))
     try:
         programs.check(read)
-        programs.simulate_program(read, lambda _rank, _instruction: 1.0)
+        simulate_program(read, lambda _rank, _instruction: 1.0)
     except (programs.ProgramError, programs.DeadlockError) as error:
         raise ScheduleFileError(f"{path}: {error}") from None
     return read
@@ -229,6 +230,6 @@ def _check_runs(path: Path, schedule: Schedule) -> None:
     m = 1 + max(a.microbatch for row in schedule for a in row)
     try:
         validate(schedule, len(schedule), m)
-        programs.must_finish(schedule)
+        must_finish(schedule)
     except (ValueError, programs.DeadlockError) as error:
         raise ScheduleFileError(f"{path}: {error}") from None

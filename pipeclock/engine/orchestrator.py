@@ -41,7 +41,8 @@ from pipeclock.engine.memory import ActivationMeter
 from pipeclock.engine.messenger import Messenger
 from pipeclock.engine.microbatch import microbatch_sizes
 from pipeclock.engine.precision import Precision, parse_precision
-from pipeclock.engine.program import add_reduce_grad, lower, must_finish
+from pipeclock.engine.program import add_reduce_grad, lower
+from pipeclock.engine.program_run import must_finish
 from pipeclock.engine.recompute import RecomputePolicy, apply_recompute
 from pipeclock.engine.replicas import Replicas, SinglePipeline
 from pipeclock.engine.spans import Span

@@ -12,7 +12,7 @@ rank runs the same order, token by token and within a token group by group:
 ``engine.program.lower`` derives the messages as it does for an interleaved schedule: ``SEND_F`` /
 ``RECV_F`` between neighbours, and from the last rank to rank 0 where a token goes round (the byte
 sampled, the input of the next token's first stage); on one rank the ring hands over in memory. The
-generation runtime walks that program and ``engine.program.simulate_program`` times it: a group's next
+generation runtime walks that program and ``engine.program_run.simulate_program`` times it: a group's next
 token cannot start before its last one has gone round, so with one group p - 1 of p ranks wait (decoding's
 own bubble); with G >= p groups each rank always has another group's token to compute.
 """
@@ -24,7 +24,8 @@ from collections.abc import Iterator, Sequence
 
 from pipeclock.engine.actions import Action, Schedule
 from pipeclock.engine.placement import Placement
-from pipeclock.engine.program import STEP, Instruction, Program, lower, simulate_program
+from pipeclock.engine.program import STEP, Instruction, Program, lower
+from pipeclock.engine.program_run import simulate_program
 from pipeclock.engine.spans import Span
 from pipeclock.observe.timeline import Timeline
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import Action, Schedule, num_chunks, validate
-from pipeclock.engine.program import DeadlockError, Instruction, lower, simulate_program
+from pipeclock.engine.program import DeadlockError, Instruction, lower
+from pipeclock.engine.program_run import simulate_program
 from pipeclock.observe.timeline import Span, Timeline
 
 __all__ = ["DEFAULT_COSTS", "DeadlockError", "Link", "default_costs", "simulate"]
