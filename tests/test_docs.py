@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from pipeclock.cli.dispatch import main
 from tests.commands import run_lab_forked, run_once
 from tools.docs_build import (
     Mismatch,
@@ -107,22 +106,18 @@ def test_every_figure_a_page_shows_is_drawn_by_a_quoted_command():
     assert shown - others <= drawn, f"figures no command draws: {sorted(shown - others - drawn)}"
 
 
-def quick_build(docs: Path, capfd, *pages: str) -> tuple[int, str]:
-    """``python -m pipeclock docs --quick --docs DOCS PAGES`` in this process (a quick build runs only the
-    simulator's commands, which run in the builder's process anyway): its exit code and all it printed."""
-    argv = sys.argv
-    try:
-        code = main(["docs", "--quick", "--docs", str(docs), *pages])
-    finally:
-        sys.argv = argv  # main() names the command in it
-    printed = capfd.readouterr()
-    return code, printed.out + printed.err
+def quick_build(docs: Path, *pages: str) -> tuple[int, str]:
+    """``python -m pipeclock docs --quick --docs DOCS PAGES`` in this process (`run_here`: a quick build runs
+    only the simulator's commands, which run in the builder's process anyway): its exit code and all it
+    printed."""
+    ran = run_here(shlex.join(["python", "-m", "pipeclock", "docs", "--quick", "--docs", str(docs), *pages]))
+    return ran.returncode, ran.stdout + ran.stderr
 
 
-def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(tmp_path, capfd):
+def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(tmp_path):
     for page in pages():
         shutil.copy(page, tmp_path / page.name)
-    code, said = quick_build(tmp_path, capfd)
+    code, said = quick_build(tmp_path)
     assert code == 0, said
     simulated = {name for block in BLOCKS if block.simulator_only for _, name in block.notes.figures}
     assert "schedule_1f1b_p4_m8.png" in simulated and "schedule_compare_p4_m8.png" in simulated
@@ -132,16 +127,16 @@ def test_the_quick_build_redraws_the_simulator_figures_and_keeps_current_pages(t
         assert (tmp_path / page.name).read_text() == page.read_text(), f"{page.name} was out of date"
 
 
-def test_a_build_of_named_pages_runs_only_their_commands_and_an_unknown_page_is_one_error(tmp_path, capfd):
+def test_a_build_of_named_pages_runs_only_their_commands_and_an_unknown_page_is_one_error(tmp_path):
     for page in pages():
         shutil.copy(page, tmp_path / page.name)
-    code, said = quick_build(tmp_path, capfd, "lab6-1f1b")
+    code, said = quick_build(tmp_path, "lab6-1f1b")
     assert code == 0, said
     on_lab6 = [block for block in BLOCKS if block.page.name == "lab6-1f1b.md" and block.simulator_only]
     lab6 = {name for block in on_lab6 for _, name in block.notes.figures}
     assert lab6 and {path.name for path in (tmp_path / "figures").iterdir()} == lab6
 
-    code, said = quick_build(tmp_path, capfd, "lab99")
+    code, said = quick_build(tmp_path, "lab99")
     assert code == 2 and "no page lab99.md" in said and "Traceback" not in said
 
 
