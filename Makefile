@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,train]'
 	touch $(STAMP)
 
 demo: $(STAMP)
