@@ -107,6 +107,12 @@ class KeyedDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        return self._dropped(x)
+
+    @torch.compiler.disable
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager even inside a compiled block: the mask reads the step and sample from Python state, which
+        a compiled graph would take as constants (and recompile for at every micro-batch)."""
         keep = uniform(x.shape, _mix_int(self.seed, self.layer), x.device) >= self.p
         return x * keep / (1.0 - self.p)
 

@@ -44,6 +44,7 @@ from pipeclock.parallel import clip_grad_norm
 from pipeclock.plan.memory_fit import check_fits
 from pipeclock.training.balance import check_balance
 from pipeclock.training.checks import agree, check_loss, check_values, check_world, naming_the_rank
+from pipeclock.training.compiled import check_compilable
 from pipeclock.training.stages import build_pipeline
 from pipeclock.training.task_choice import make_task
 
@@ -99,6 +100,7 @@ class TrainConfig:
     hf_config: str | None = None  # --model hf: a config.json (or its directory), random weights
     hf_model: str | None = None  # --model hf: a local from_pretrained directory, its weights
     trust_remote_code: bool = False  # --model hf: run the model's own Python code (a config's auto_map)
+    compile: bool = False  # torch.compile each repeated block (GPT block, HF decoder layer)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:
@@ -278,6 +280,7 @@ def _checked_task(config: TrainConfig):
     world = comms.get_world_size()
     check_world(config, world)
     task = make_task(config)
+    check_compilable(config, getattr(task, "hf_config", None))
     pp = _stages(config)
     if config.tp > 1:  # the model's own checks (heads, widths): before any rank waits for another
         task.tp_plan(config.tp, None, config.table(pp).placement.num_virtual)

@@ -14,6 +14,7 @@ from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.parallel import data_parallel, dp_rank, init_mesh, pp_rank, shard_of
 from pipeclock.parallel.tensor_parallel import tensor_parallel
 from pipeclock.training.balance import stage_cut
+from pipeclock.training.compiled import compile_blocks
 from pipeclock.training.task_choice import make_task
 
 
@@ -41,6 +42,8 @@ def build_pipeline(config, task) -> tuple[Pipeline, list[nn.Module], slice, Devi
     options = dict(measure_memory=config.measure_memory, recompute=config.recompute, dtype=config.dtype)
     if config.dp == config.tp == 1:
         modules = build_stage(config, comms.get_rank(), world, task)
+        if config.compile:
+            compile_blocks(modules)
         pipe = Pipeline(modules, config.table(world), config.microbatches, task.loss_fn, **options)
         return pipe, modules, slice(None), None
     mesh = init_mesh(config.dp, config.tp)
@@ -50,6 +53,8 @@ def build_pipeline(config, task) -> tuple[Pipeline, list[nn.Module], slice, Devi
     if config.tp > 1:
         plan = task.tp_plan(config.tp, cut, table.placement.num_virtual)
         tensor_parallel(modules, mesh, plan, f"--tp-plan {config.tp_plan}" if config.tp_plan else "the plan")
+    if config.compile:
+        compile_blocks(modules)
     chunks = modules
     if config.dp > 1:
         replicas = data_parallel(modules, mesh, config.data_parallel)

@@ -191,6 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bf16 messages between stages (faster only where the hardware has bf16: GPUs, CPUs with "
         "AVX512-BF16 or AMX)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile each repeated block (a GPT block, an HF decoder layer) on every stage; the "
+        "first step pays the compilation, reported apart from the other steps",
+    )  # fmt: skip
     parser.add_argument("--trace", metavar="FILE", help="write the run's timeline as a Chrome trace (JSON)")
     parser.add_argument("--png", metavar="FILE", help="draw the predicted and measured timelines")
     add_link_arguments(parser.add_argument_group("what the prediction charges each message"))
@@ -309,6 +314,8 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
     table = schedule_table(config, world // (config.dp * config.tp))
     if result.validation:
         print("\n" + "\n".join(_validation_lines(result.validation, text())))
+    if config.compile:
+        print("\n" + compile_line([record.seconds for record in result.records]))
     link = link_from(args)
     print("\n" + "\n".join(summary_lines(result.report, config.schedule, table, config.batch_size, link)))
     if args.trace:
@@ -319,6 +326,15 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
         print(f"timelines drawn to {path}")
     print(f"final loss {result.final_loss:.6f} after {config.steps} steps", flush=True)
     return 0
+
+
+def compile_line(seconds: list[float]) -> str:
+    """The compilation's cost apart from the steps': the first step compiles, the later ones reuse it."""
+    line = f"compile: the first step took {seconds[0]:.2f} s (compiling the blocks)"
+    if len(seconds) > 1:
+        later = sorted(seconds[1:])
+        line += f", the later steps {later[len(later) // 2]:.3f} s (median)"
+    return line
 
 
 def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
