@@ -69,6 +69,44 @@ def test_a_gpu_spec_file_describes_any_other_kind(monkeypatch, capsys, tmp_path)
     assert all(row["memory_per_gpu_bytes"] <= 40 * 2**30 for row in json.loads(out))
 
 
+def _spec_with(tmp_path, field: str, raw: str) -> str:
+    """The spec with ``field`` written as the JSON text ``raw`` (NaN and 1e400 are what a user types)."""
+    spec = json.loads((CONFIGS / "h100-96gb-500w.json").read_text())
+    spec[field] = "RAW"
+    (tmp_path / "gpu.json").write_text(json.dumps(spec).replace('"RAW"', raw))
+    return str(tmp_path / "gpu.json")
+
+
+def _config(tmp_path, kind: str) -> str:
+    """A BERT config (an encoder), or a Llama whose 3 heads do not divide its width of 100."""
+    sizes = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128}
+    if kind == "HEADS":
+        sizes |= {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3, "vocab_size": 1000}
+    else:
+        sizes |= {"model_type": "bert"}
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    return str(tmp_path)
+
+
+def test_a_fixed_interleaving_takes_any_chunk_count_that_fits_the_layers(monkeypatch, capsys):
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "64xH100-80GB", "--hf-config", str(CONFIGS / "llama-3.1-70b.json"),
+        "--global-batch", "128", "--fix", "tp=8,pp=4,chunks=5,schedule=interleaved-1f1b", "--json",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    assert json.loads(out)["chunks"] == 5
+
+
+def test_a_gpu_whose_memory_the_runtime_fills_is_answered_at_once(monkeypatch, capsys, tmp_path):
+    """No count of 1 GB cards fits anything (the runtime's allowance alone is 2 GiB): no search for the
+    fewest that fit."""
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "8xH100-96GB-500W", "--params", "1e9",
+        "--gpu-spec", _spec_with(tmp_path, "memory_gb", "1"),
+    )  # fmt: skip
+    assert (code, err) == (1, "") and "nothing fits" in out and "the fewest" not in out
+
+
 def _spec_without(tmp_path, field: str) -> str:
     spec = json.loads((CONFIGS / "h100-96gb-500w.json").read_text())
     del spec[field]
@@ -102,11 +140,24 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--hf-config", "T5"], "T5Config (model_type 't5') is not a causal"),
         (["--cluster", "8xA100-80GB", "--params", "1e9", "--dtype", "fp8"], "A100-80GB has no fp8 tensor"),
         (["--params", "1e9", "--fix", "tp=2"], "--fix plans a cluster on paper: give --cluster NxKIND too"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
+         "memory_gb must be a finite number above 0, got nan"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],
+         "memory_gb must be a finite number above 0, got inf"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC gemm_eficiency 0.5"],
+         "unknown field gemm_eficiency (did you mean gemm_efficiency?)"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "tp=8,tp=2"], "--fix names tp twice"),
+        (["--cluster", "8xH100-80GB", "--hf-config", "BERT"], "BertConfig (model_type 'bert') is not a"),
+        (["--cluster", "8xH100-80GB", "--hf-config", "HEADS"], "hidden size (100) is not a multiple of the"),
+        (["--cluster", "64xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=32,chunks=5"],
+         "--fix pp=32 x chunks=5 is 160 virtual stages, more than the model's 126 layers"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, args, message):
     args = [_spec_without(tmp_path, "memory_gb") if a == "SPEC-NO-MEMORY" else a for a in args]
     args = [_t5_config(tmp_path) if a == "T5" else a for a in args]
+    args = [_spec_with(tmp_path, *a.split()[1:]) if a.startswith("SPEC ") else a for a in args]
+    args = [_config(tmp_path, a) if a in ("BERT", "HEADS") else a for a in args]
     code, out, err = plan(monkeypatch, capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith("pipeclock plan: error: ") and message in err, err

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeclock.engine.generators import SCHEDULES
+from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Job, Software
 from pipeclock.plan.gpus import Cluster, load_spec, parse_cluster
@@ -150,6 +151,8 @@ def parse_fix(text: str) -> dict:
         knob, value = knob.strip(), value.strip()
         if knob not in FIXABLE or not value:
             raise ValueError(f"--fix takes KNOB=VALUE pairs with knobs {', '.join(FIXABLE)}, got {item!r}")
+        if knob in fixed:
+            raise ValueError(f"--fix names {knob} twice ({text!r}): give each knob once")
         fixed[knob] = _fixed_value(knob, value)
     if not fixed:
         raise ValueError("--fix needs at least one KNOB=VALUE")
@@ -211,7 +214,10 @@ def _largest(model: PaperModel, cluster: Cluster, job: Job, software: Software):
 
 def _fewest(model, cluster: Cluster, job: Job, software: Software):
     """The fewest GPUs of the same kind on which something fits (one more at a time up to four times the
-    cluster, then doubling), and the best configuration there."""
+    cluster, then doubling), and the best configuration there; None at once for a GPU whose memory the
+    runtime's own allowance (CUDA context, collectives' buffers) fills: no count of them fits anything."""
+    if cluster.kind.memory <= calibration.RUNTIME_BYTES:
+        return None
     count = cluster.count + 1
     while count <= LARGEST_CLUSTER_TRIED:
         try:

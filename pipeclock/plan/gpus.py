@@ -13,6 +13,7 @@ reports (``torch.cuda.mem_get_info``) is within 1 % of it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -128,6 +129,12 @@ def load_spec(path: str | Path) -> GpuKind:
         raise ValueError(f"--gpu-spec {path} is not JSON: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--gpu-spec {path} must hold one JSON object")
+    known = SPEC_FIELDS | OPTIONAL_SPEC_FIELDS
+    unknown = [field for field in data if field not in known]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else f"; the fields are {', '.join(known)}"
+        raise ValueError(f"--gpu-spec {path}: unknown field {unknown[0]}{hint}")
     missing = [field for field in SPEC_FIELDS if field not in data]
     if missing:
         raise ValueError(
@@ -146,13 +153,16 @@ def load_spec(path: str | Path) -> GpuKind:
     )  # fmt: skip
 
 
+MOST = 1e15  # above any real GPU's figure in these units; NaN, infinity (JSON's 1e400) and overflow excluded
+
+
 def _field(value, field: str, kind: type, path) -> str | float | int:
     if kind is str:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"--gpu-spec {path}: {field} must be a non-empty string, got {value!r}")
         return value.strip()
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"--gpu-spec {path}: {field} must be a number above 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < MOST:
+        raise ValueError(f"--gpu-spec {path}: {field} must be a finite number above 0, got {value!r}")
     if kind is int and value != int(value):
         raise ValueError(f"--gpu-spec {path}: {field} must be a whole number, got {value!r}")
     return kind(value)

@@ -15,7 +15,7 @@ from pipeclock.plan.paper_model import PaperModel
 
 # Families whose MLP is two matrices with a GELU/ReLU, whose norms are LayerNorms and whose Linears
 # have biases (their modeling code says so; their configs do not).
-PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2"}
+PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2", "falcon"}
 LEARNED_POSITIONS = {"gpt2", "gpt_bigcode"}
 QKV_BIAS_FAMILIES = {"qwen2", "qwen2_moe"}
 
@@ -31,8 +31,11 @@ def read_config(path: str | Path):
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--hf-config {path}: no such file or directory")
+    from pipeclock.models.config_refusals import config_refusals
+
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with config_refusals(path):
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"--hf-config {path} is not a Hugging Face config: {first}") from None
@@ -40,19 +43,29 @@ def read_config(path: str | Path):
 
 def paper_model(config, name: str | None = None) -> PaperModel:
     """The `PaperModel` of a causal LM's config; `NotCausalLM` for any other config."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     family = getattr(config, "model_type", "")
     kind = type(config).__name__
-    if getattr(config, "is_encoder_decoder", False) or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    encoder = family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (
+        getattr(config, "is_encoder_decoder", False)
+        or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or encoder
+    ):
         raise NotCausalLM(
             f"{kind} (model_type {family!r}) is not a causal language model: plan --hf-config takes a "
             "decoder-only *ForCausalLM config"
         )
     hidden = _field(config, kind, "hidden_size")
     heads = _field(config, kind, "num_attention_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None) or (
-        1 if getattr(config, "multi_query", False) else heads
+    kv_heads = (
+        getattr(config, "num_key_value_heads", None)
+        or _falcon_kv_heads(config)
+        or (1 if getattr(config, "multi_query", False) else heads)
     )
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     plain = family in PLAIN_MLP_FAMILIES
@@ -71,7 +84,7 @@ def paper_model(config, name: str | None = None) -> PaperModel:
         tied=bool(getattr(config, "tie_word_embeddings", False)),
         norm="layer" if plain else "rms",
         qkv_bias=bool(getattr(config, "attention_bias", False)) or family in QKV_BIAS_FAMILIES,
-        linear_bias=plain,
+        linear_bias=plain and bool(getattr(config, "bias", True)),
         positions=getattr(config, "max_position_embeddings", 0) if family in LEARNED_POSITIONS else 0,
         experts=experts,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
@@ -90,8 +103,15 @@ def _field(config, kind: str, name: str) -> int:
     return value
 
 
+def _falcon_kv_heads(config) -> int | None:
+    """Falcon's newer layout (40B, 180B) names its key-value heads ``num_kv_heads``."""
+    return (
+        getattr(config, "num_kv_heads", None) if getattr(config, "new_decoder_architecture", False) else None
+    )
+
+
 def _ffn(config, hidden: int) -> int:
-    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value

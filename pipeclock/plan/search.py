@@ -183,7 +183,9 @@ def _schedules(model: PaperModel, pp: int, fixed: dict) -> Iterator[tuple[str, i
         else:
             options = (1,)
         for chunks in _choice(fixed, "chunks", options):
-            if pp * chunks <= model.layers and chunks in options:
+            # a free search tries the usual counts; a fixed one any count of two or more (5, 7 ...)
+            allowed = chunks in options or (name == "interleaved-1f1b" and chunks >= 2)
+            if pp * chunks <= model.layers and allowed:
                 yield name, chunks
 
 
@@ -225,6 +227,11 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
         raise SearchError(f"--fix chunks={chunks} needs an interleaved schedule, not {schedule}")
     if chunks is not None and schedule in V_SCHEDULES and chunks != 2:
         raise SearchError(f"--fix schedule={schedule} is a V: two chunks per rank, not {chunks}")
+    if chunks is not None and "pp" in fixed and fixed["pp"] * chunks > model.layers:
+        raise SearchError(
+            f"--fix pp={fixed['pp']} x chunks={chunks} is {fixed['pp'] * chunks} virtual stages, more "
+            f"than the model's {model.layers} layers"
+        )
 
 
 def _no_layout(model, cluster, job, fixed) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from pipeclock.engine.losses import TokenCrossEntropy
+from pipeclock.models.config_refusals import config_refusals
 from pipeclock.models.hf import weights
 from pipeclock.models.hf.build import (
     MIN_BYTE_VOCABULARY,
@@ -81,7 +82,7 @@ def config_of(source, trust_remote_code: bool = False):
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"no Hugging Face config at {path}")
-        with remote_code(trust_remote_code, path):
+        with remote_code(trust_remote_code, path), config_refusals(path):
             return AutoConfig.from_pretrained(
                 str(path), local_files_only=True, trust_remote_code=trust_remote_code
             )
