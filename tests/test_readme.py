@@ -23,7 +23,7 @@ GUIDE = ROOT / "docs" / "guide"
 PAGES = [ROOT / "README.md", *sorted(GUIDE.glob("*.md"))]
 
 
-def name(page: Path) -> str:
+def relative(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
@@ -90,7 +90,7 @@ def shown_commands(page: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_every_pipeclock_command_in_the_readme_and_the_guide_parses():
-    shown = {name(page): shown_commands(page) for page in PAGES}
+    shown = {relative(page): shown_commands(page) for page in PAGES}
     assert len(shown["README.md"]) >= 3, "the README's tour was found"
     assert sum(map(len, shown.values())) >= 30, "the pages' command lines were found"
     for page, found in shown.items():
@@ -144,8 +144,8 @@ def run_snippets(rank: int, world: int, snippets: list[str], workdir: str) -> li
 
 def test_every_python_snippet_of_the_pages_is_one_that_runs():
     """A script added to the README or a guide page is run below, or this fails: none goes untested."""
-    shown = {block for page in PAGES for block in fenced("python", page.read_text())}
-    assert shown == {snippet(page) for page in RUN}
+    shown = {relative(page) for page in PAGES if fenced("python", page.read_text())}
+    assert shown == {f"docs/guide/{page}" for page in RUN}, "a page's script is run below, one a page"
 
 
 def test_the_guides_python_snippets_run_and_optimize_every_chunk(tmp_path):
@@ -174,28 +174,29 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def links(page: Path) -> list[tuple[Path, str]]:
-    """The files a page links to (itself for ``#anchor``), each with the anchor, or ""."""
+def links(page: Path) -> list[tuple[str, Path, str]]:
+    """A page's links as written, each with the file it leads to (the page itself for ``#anchor``) and
+    the anchor, or ""."""
     found = []
     for target in re.findall(r"\]\(([^)]+)\)", page.read_text()):
         if "://" not in target:
             path, _, anchor = target.partition("#")
-            found.append(((page.parent / path).resolve() if path else page, anchor))
+            found.append((target, (page.parent / path).resolve() if path else page, anchor))
     return found
 
 
 def test_every_link_and_anchor_in_the_readme_and_the_guide_exists():
     for page in PAGES:
-        for path, anchor in links(page):
-            target = f"{path.relative_to(ROOT)}#{anchor}"
-            assert path.exists(), f"{name(page)} links to {path}, which is missing"
+        for target, path, anchor in links(page):
+            where = f"{relative(page)} links to {target}"
+            assert path.exists(), f"{where}: {path} is missing"
             if anchor:
                 headings = re.findall(r"^#+ (.*)$", path.read_text(), re.MULTILINE)
-                assert anchor in {slug(heading) for heading in headings}, f"{name(page)} links to {target}"
+                assert anchor in {slug(heading) for heading in headings}, f"{where}: no such heading"
 
 
 def test_the_guide_index_lists_every_guide_page():
-    listed = {path for path, _ in links(GUIDE / "index.md")}
+    listed = {path for _, path, _ in links(GUIDE / "index.md")}
     assert {page for page in PAGES[1:] if page.name != "index.md"} <= listed
 
 
