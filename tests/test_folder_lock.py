@@ -99,7 +99,7 @@ def test_two_runs_started_at_once_into_one_folder_one_trains_and_the_other_is_re
     )
     assert all(why.match(line) for line in refusals), refusals
     # What the user sees last: torchrun's own report of the failed ranks, whose exit codes are the
-    # ranks' 2, and torchrun's exit code 1 (as README.md and docs/errors.md say).
+    # ranks' 2, and torchrun's exit code 1 (as docs/guide/errors.md and docs/errors.md say).
     assert jobs[loser].proc.returncode == 1
     last = errs[loser].strip().splitlines()
     assert "exitcode  : 2" in "\n".join(last[-8:]) and set(last[-1]) == {"="}, last[-12:]

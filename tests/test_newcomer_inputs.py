@@ -253,7 +253,8 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_truncated_file(tmp
 
 def test_the_static_rendezvous_is_warned_about_with_what_fixes_it(tmp_path):
     """torchrun without --standalone keeps one store for every restart whatever
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE says (the README's recipe once did so): the warning names the fix."""
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE says (the restart recipe of docs/guide/checkpoints.md once did so): the
+    warning names the fix."""
     from tests.distributed import free_port
     from tests.jobs import Launch
 
