@@ -476,16 +476,17 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.steps, initial=step, unit="step", dynamic_ncols=True, file=self.stream)
+            self.began = time.perf_counter()
 
     def __call__(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
         if self.on_terminal:
             self.begin(step)
-            rate = self.bar.format_dict.get("rate")
             shown = {"loss": f"{loss:.4f}"}
-            if rate and self.step_tokens:
-                shown["tok/s"] = f"{rate * self.step_tokens:,.0f}"
+            elapsed = time.perf_counter() - self.began
+            if self.step_tokens and elapsed > 0:  # this run's steps so far, this one included
+                shown["tok/s"] = f"{(self.bar.n + 1 - self.bar.initial) * self.step_tokens / elapsed:,.0f}"
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update()
         elif step % max(1, self.steps // 10) == 0 or step == self.steps - 1:
