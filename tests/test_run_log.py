@@ -14,6 +14,7 @@ import json
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,10 +22,13 @@ import pytest
 from pipeclock.cli import dispatch
 from pipeclock.observe.run_log import METRICS_NAME, RunLog
 from pipeclock.plan.gpus import GIB, KINDS
-from pipeclock.plan.run_flops import gpu_kind
-from pipeclock.training.loop import Progress
+from pipeclock.plan.hf_paper import paper_model, read_config
+from pipeclock.plan.paper_model import gpt_model
+from pipeclock.plan.run_flops import flops_per_token, gpu_kind
+from pipeclock.training.loop import Progress, TrainConfig
 from tests.distributed import command, start_ranks
 
+CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "configs"
 STEPS, BATCH, SEQ = 6, 4, 16
 GPT = (
     f"--model gpt --layers 2 --dim 32 --heads 2 --seq-len {SEQ} --batch-size {BATCH} --steps {STEPS} "
@@ -261,3 +265,15 @@ def test_elsewhere_it_prints_plain_lines(capsys):
         "step     0  loss 1.000000",
         "step     2  loss 1.000000",
     ]
+
+
+def test_the_flops_a_token_costs_are_the_planners_paper_models():
+    mlp = TrainConfig(model="mlp", hidden=32, layers=3)
+    assert flops_per_token(mlp, None) == 6 * 3 * 32 * 32  # a sample is one token
+    gpt = TrainConfig(model="gpt", dim=64, layers=2, heads=4, seq_len=16)
+    task = SimpleNamespace(gpt=SimpleNamespace(vocab_size=256))
+    assert flops_per_token(gpt, task) == gpt_model(64, 2, 4, 256).model_flops_per_token(16)
+    llama = TrainConfig(model="hf", hf_config=str(CONFIGS / "llama-tiny.json"), seq_len=64)
+    config = read_config(CONFIGS / "llama-tiny.json")
+    found = flops_per_token(llama, SimpleNamespace(hf_config=config))
+    assert found == paper_model(config).model_flops_per_token(64) > 6 * 4 * 128 * 128
