@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +54,17 @@ class Parser(argparse.ArgumentParser):
         # argparse takes "-1e-3" for an option ("--lr: expected one argument"); it is a negative number,
         # which the flag's own check then names.
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+    # A command's hook to widen its own arguments before they are read (train's --config file).
+    expand_arguments: Callable[[argparse.ArgumentParser, list[str]], list[str]] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.expand_arguments is not None:
+            try:
+                args = self.expand_arguments(self, list(sys.argv[1:] if args is None else args))
+            except ValueError as error:
+                self.error(str(error))
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -38,9 +39,11 @@ from pipeclock.engine.csv_schedule import load_csv
 from pipeclock.engine.generators import chunks_of, generate, get_schedule, supports_chunks
 from pipeclock.engine.orchestrator import Pipeline, StepRecord
 from pipeclock.models.text import bits_per_byte
+from pipeclock.observe import run_log
 from pipeclock.observe.collectives import timing_collectives
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
 from pipeclock.parallel import clip_grad_norm
+from pipeclock.plan import run_flops
 from pipeclock.plan.memory_fit import check_fits
 from pipeclock.training.balance import check_balance
 from pipeclock.training.checks import agree, check_loss, check_values, check_world, naming_the_rank
@@ -101,6 +104,9 @@ class TrainConfig:
     hf_model: str | None = None  # --model hf: a local from_pretrained directory, its weights
     trust_remote_code: bool = False  # --model hf: run the model's own Python code (a config's auto_map)
     compile: bool = False  # torch.compile each repeated block (GPT block, HF decoder layer)
+    log_dir: str | None = None  # metrics.jsonl and TensorBoard's event files (observe.run_log)
+    log_every: int = 10  # a record every N steps (and after the last, and with each validation loss)
+    wandb: str | None = None  # a Weights & Biases project the same records go to
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_DEFAULTS:
@@ -121,6 +127,9 @@ class TrainConfig:
             self.microbatches = min(8, max(1, self.batch_size // max(1, self.dp)))
         check_values(self)
         check_balance(self.balance)
+        if self.log_every < 1:
+            raise ValueError(f"--log-every must be a positive integer, got {self.log_every}")
+        run_log.check_available(self.log_dir, self.wandb)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
@@ -130,6 +139,10 @@ class TrainConfig:
         """
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**{**given, **overrides})
+
+    def settings(self) -> dict:
+        """The run's settings as plain values, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def chunks_per_rank(self) -> int:
         if self._table is not None:
@@ -188,6 +201,7 @@ def train(config: TrainConfig, on_step=None, on_eval=None, on_begin=None) -> Tra
     faults.arm(comms.get_world_size())
     agree(config)
     _check_checkpointing(config)
+    run_log.check_fresh(config.log_dir, config.resume)
     with _holding_the_folder(config.checkpoint_dir):
         return _train(config, on_step, on_eval, on_begin)
 
@@ -207,24 +221,41 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     meter, gpu = ProcessMeter(), GpuUtilization()
     losses, records, validation = [], [], []
     timed = timed_steps(start, config.steps, config.tp_timed_steps if config.tp > 1 else 0)
+    step_tokens = config.batch_size * (1 if config.model == "mlp" else config.seq_len)
+    log = _run_log(config, task, start)
     for step in range(start, config.steps):
+        began = time.perf_counter()
         inputs, targets = task.batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         losses.append(_step(pipe, inputs[shard], targets[shard], step in timed))
         check_loss(losses[-1], step)
+        grad_norm = None
         if config.clip_grad_norm is not None:
-            clip_grad_norm(pipe, config.clip_grad_norm, mesh)
+            grad_norm = clip_grad_norm(pipe, config.clip_grad_norm, mesh)
+        lr = optimizer.param_groups[0]["lr"]  # the rate of this step's update
         optimizer.step()
         records.append(pipe.last)
+        figures = {
+            "loss": losses[-1],
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_seconds": time.perf_counter() - began,
+            "step_tokens": step_tokens,
+        }
         if on_step:
             on_step(step, losses[-1])
         if _evaluation_due(config, task, step + 1):
             validation.append((step + 1, _validate(pipe, task, shard)))
+            figures["val_loss"] = validation[-1][1]
             if on_eval:
                 on_eval(*validation[-1])
+        if log:
+            log.log(step + 1, figures)
         if _checkpoint_due(config, step + 1):
             position = checkpoint.Position(step + 1, losses[-1], step + 1)
             _save(config, task, position, modules, optimizer)
+    if log:
+        log.close()
     report = gather_run(records, meter, gpu, chunks=len(modules))
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
     result.validation = validation
@@ -248,6 +279,20 @@ def _step(pipe: Pipeline, inputs, targets, timed: bool) -> float:
     pipe.last.collective_seconds, pipe.last.collective_calls = found.seconds, found.calls
     comms.barrier("lining up after a step profiled for tensor parallel's collectives")
     return loss
+
+
+def _run_log(config: TrainConfig, task, start: int) -> run_log.RunLog | None:
+    """Rank 0's log of the run's figures (``observe.run_log``), when ``--log-dir`` or ``--wandb`` asks for
+    one; None on the other ranks and without either. Each record is flushed as written, so a run that
+    stops early keeps what it logged."""
+    if comms.get_rank() != 0 or not (config.log_dir or config.wandb):
+        return None
+    return run_log.RunLog(
+        config.log_dir, config.log_every, config.steps, start, config.wandb,
+        flops_per_token=run_flops.flops_per_token(config, task),
+        peak_flops=run_flops.device_peak(comms.device(), config.dtype),
+        processes=comms.get_world_size(), config=config.settings(),
+    )  # fmt: skip
 
 
 @contextmanager
@@ -410,22 +455,42 @@ def schedule_table(config: TrainConfig, world: int) -> Schedule:
 
 
 class Progress:
-    """Rank 0's progress: a bar on a terminal, a line every tenth of the run otherwise."""
+    """Rank 0's progress: on a terminal a bar (step, loss, tokens/s, time left), a line every tenth of
+    the run otherwise."""
 
-    def __init__(self, steps: int, enabled: bool, per_byte: Callable[[float], float] = bits_per_byte):
-        """``per_byte``: a validation loss (nats per token) in bits per byte of the text."""
+    def __init__(
+        self,
+        steps: int,
+        enabled: bool,
+        per_byte: Callable[[float], float] = bits_per_byte,
+        step_tokens: int = 0,
+        stream=None,
+    ):
+        """``per_byte``: a validation loss (nats per token) in bits per byte of the text; ``step_tokens``:
+        the tokens of a step (the bar shows tokens/s); ``stream``: where the bar goes (stderr)."""
         self.steps, self.enabled, self.per_byte = steps, enabled, per_byte
+        self.step_tokens, self.stream = step_tokens, stream or sys.stderr
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        self.on_terminal = enabled and self.stream.isatty()
+
+    def begin(self, step: int) -> None:
+        """The run starts at ``step`` (after a resume: the bar counts only this run's steps in its rate)."""
+        if self.on_terminal and self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=steps, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.steps, initial=step, unit="step", dynamic_ncols=True, file=self.stream)
+            self.began = time.perf_counter()
 
     def __call__(self, step: int, loss: float) -> None:
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if self.on_terminal:
+            self.begin(step)
+            shown = {"loss": f"{loss:.4f}"}
+            elapsed = time.perf_counter() - self.began
+            if self.step_tokens and elapsed > 0:  # this run's steps so far, this one included
+                shown["tok/s"] = f"{(self.bar.n + 1 - self.bar.initial) * self.step_tokens / elapsed:,.0f}"
+            self.bar.set_postfix(shown, refresh=False)
             self.bar.update()
         elif step % max(1, self.steps // 10) == 0 or step == self.steps - 1:
             print(f"step {step:5d}  loss {loss:.6f}", flush=True)
@@ -437,7 +502,7 @@ class Progress:
             f"validation after {steps_done} steps: {loss:.4f} nats/token, {self.per_byte(loss):.3f} bits/byte"
         )
         if self.bar is not None:
-            self.bar.write(line)
+            self.bar.write(line, file=self.stream)
         else:
             print(line, flush=True)
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from pipeclock import comm_blame, comms
 from pipeclock.checkpoints.choice import CheckpointError
-from pipeclock.cli import interrupts, stopping
+from pipeclock.cli import config_file, interrupts, stopping
 from pipeclock.cli.arguments import (
+    Parser,
     add_link_arguments,
     check_output,
     link_from,
@@ -39,6 +40,7 @@ from pipeclock.engine.generators import SCHEDULES
 from pipeclock.engine.precision import DTYPES
 from pipeclock.engine.recompute import POLICY_HELP
 from pipeclock.models.text import CorpusError, bits_per_byte
+from pipeclock.observe import run_log
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 from pipeclock.training.loop import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
 from pipeclock.training.task_choice import make_task
@@ -53,11 +55,27 @@ DESCRIPTION = (
 # What can go wrong with a run's input, its peers or its files: one line each, no traceback.
 EXPECTED_ERRORS = (ValueError, OSError, comms.CommError, CheckpointError, CorpusError)
 # What a run writes, and where the command line names it: all checked before the first step.
-OUTPUTS = {"trace": "--trace", "png": "--png", "losses": "--losses", "checkpoint_dir": "--checkpoint-dir"}
+OUTPUTS = {
+    "trace": "--trace",
+    "png": "--png",
+    "losses": "--losses",
+    "checkpoint_dir": "--checkpoint-dir",
+    "log_dir": "--log-dir",
+}
+FOLDERS = ("checkpoint_dir", "log_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainConfig()
+    if isinstance(parser, Parser):  # the command's own parser reads --config's file into its arguments
+        parser.expand_arguments = config_file.expand
+    parser.add_argument(
+        "--config", metavar="FILE.toml",
+        help="read flags from a TOML file: each key is a flag without its dashes (weight-decay = 0.1, or "
+        "weight_decay; a switch is true or false; [tables] only group keys); flags on the command line "
+        f"win. The run's resolved flags are written as {config_file.RESOLVED_NAME} in --checkpoint-dir "
+        "and --log-dir, and --config reads that file back to the same run",
+    )  # fmt: skip
     parser.add_argument(
         "--model", default=defaults.model, choices=list(MODEL_DEFAULTS),
         help="mlp: ShardedMLP on a synthetic regression; gpt: a GPT on real text; hf: a Hugging Face "
@@ -224,6 +242,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--losses", metavar="FILE",
         help='write the loss of every step this run did as JSON: {"first_step": s, "losses": [...]}',
     )  # fmt: skip
+    logs = parser.add_argument_group("metrics a team can watch (rank 0 writes them)")
+    logs.add_argument(
+        "--log-dir", metavar="DIR",
+        help=f"write {run_log.METRICS_NAME} (one JSON object per record: step, loss, lr, grad_norm when "
+        "measured, tokens, tokens_per_second, step_seconds, memory, val_loss, and on a GPU tflops_per_gpu "
+        "and mfu) and TensorBoard's event files (tensorboard --logdir DIR) in DIR; a fresh run refuses a "
+        "DIR holding another run's records, a resumed one replaces those of the steps it does again",
+    )  # fmt: skip
+    logs.add_argument(
+        "--log-every", metavar="N", type=positive_int, default=defaults.log_every,
+        help="a record every N steps (figures over the steps since the last one), after the last step "
+        "and with each validation loss",
+    )  # fmt: skip
+    logs.add_argument(
+        "--wandb", metavar="PROJECT",
+        help="send the same records to this Weights & Biases project (needs the wandb package; "
+        "WANDB_MODE=offline keeps the run on disk, with no network)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -241,7 +277,7 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
         config = TrainConfig.from_args(args)
         for name, option in OUTPUTS.items():
             if getattr(args, name):
-                check_output(getattr(args, name), option, folder=name == "checkpoint_dir")
+                check_output(getattr(args, name), option, folder=name in FOLDERS)
         return _train_and_report(config, args, steps)
     except Exception as error:
         if interrupts.received() is not None:  # a peer stopped first, before this rank's own signal
@@ -295,13 +331,21 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
             print(f"pipeclock train: warning: {warning}", file=sys.stderr, flush=True)
     text = functools.cache(lambda: make_task(config))  # reads a loss in bits per byte; built once needed
     per_byte = (lambda loss: text().bits_per_byte(loss)) if config.model != "mlp" else bits_per_byte
-    progress = Progress(config.steps, enabled=boss, per_byte=per_byte)
+    step_tokens = config.batch_size * (1 if config.model == "mlp" else config.seq_len)
+    progress = Progress(config.steps, enabled=boss, per_byte=per_byte, step_tokens=step_tokens)
 
     def on_step(step: int, loss: float) -> None:
         steps(step, loss)
         progress(step, loss)
 
-    result = train(config, on_step=on_step, on_eval=progress.validation, on_begin=steps.begin)
+    def on_begin(step: int) -> None:
+        steps.begin(step)
+        progress.begin(step)
+        folders = [folder for folder in (config.checkpoint_dir, config.log_dir) if folder]
+        if boss and folders:  # once the run is sure to go ahead: a refused run leaves the old file
+            config_file.write_resolved(_resolved(args, config), folders)
+
+    result = train(config, on_step=on_step, on_eval=progress.validation, on_begin=on_begin)
     progress.close()
     if not boss:
         return 0
@@ -335,6 +379,13 @@ def compile_line(seconds: list[float]) -> str:
         later = sorted(seconds[1:])
         line += f", the later steps {later[len(later) // 2]:.3f} s (median)"
     return line
+
+
+def _resolved(args: argparse.Namespace, config: TrainConfig) -> str:
+    """The run's every flag as TOML, the defaults it resolved itself (a model's steps...) included."""
+    parser = Parser(prog="pipeclock train")
+    add_arguments(parser)
+    return config_file.resolved_toml(parser, args, config.settings())
 
 
 def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
