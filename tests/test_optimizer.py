@@ -264,7 +264,7 @@ def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_every_step(one_pro
     check_layouts(per_rank, one_process["straight"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # eight processes on two cores: 30 s
 def test_dp2_x_pp2_x_tp2_follows_the_one_process_curve_every_step(one_process):
     per_rank = run_ok(layout_runs, 8, {"dp2 x pp2 x tp2": dict(dp=2, tp=2)}, deadline=500)
     check_layouts(per_rank, one_process["straight"])
