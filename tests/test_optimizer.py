@@ -268,3 +268,16 @@ def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_every_step(one_pro
 def test_dp2_x_pp2_x_tp2_follows_the_one_process_curve_every_step(one_process):
     per_rank = run_ok(layout_runs, 8, {"dp2 x pp2 x tp2": dict(dp=2, tp=2)}, deadline=500)
     check_layouts(per_rank, one_process["straight"])
+
+
+def test_a_hugging_face_models_norm_weights_keep_clear_of_weight_decay_and_its_matrices_decay():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(config)
+    decayed, kept = parameter_groups(model.parameters(), 0.1)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert all("norm" in names[id(p)] for p in kept["params"]) and len(kept["params"]) == 2 * 2 + 1
+    assert {names[id(p)] for p in decayed["params"]} >= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert all(p.ndim == 2 for p in decayed["params"])
