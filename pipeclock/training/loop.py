@@ -7,7 +7,9 @@ steps with ``Pipeline.evaluate`` (forward only) and shown in bits per byte.
 Launched under torchrun, every rank runs ``train``; the number of stages is the number of processes.
 Rank 0 is the boss: it shows the progress and, at the end, the measurements of the whole run. The
 optimizer is per rank (each rank updates only the parameters it holds), which is all pipeline
-parallelism needs: no parameter lives on two ranks.
+parallelism needs: no parameter lives on two ranks. It is torch's Adam or AdamW with weight decay on the
+matrices (``training.optimizer``), at the rate ``training.lr_schedule`` gives each step; every step's
+rate and whole-model gradient norm (before any clipping) are in the result, beside its loss.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
 step (``checkpoints.save_load``), and holds the directory for its whole life, so that no second run
