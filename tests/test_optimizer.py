@@ -244,10 +244,13 @@ def test_a_resume_that_changes_steps_says_in_one_line_what_happens_to_the_decay(
 
 
 LAYOUTS = {"dp2 x pp2": dict(dp=2), "pp2 x tp2": dict(tp=2)}
+UNCLIPPED = dict(tp=2, dp=1, clip_grad_norm=None, steps=1, lr_schedule="constant", warmup_steps=0, min_lr=0.0)
 
 
 def layout_runs(rank: int, world: int, layouts: dict[str, dict]) -> dict[str, dict]:
-    return {name: figures(train(TrainConfig(**GPT, **RUN, **options))) for name, options in layouts.items()}
+    return {
+        name: figures(train(TrainConfig(**GPT, **{**RUN, **options}))) for name, options in layouts.items()
+    }
 
 
 def check_layouts(per_rank: list[dict], one: dict) -> None:
@@ -259,9 +262,12 @@ def check_layouts(per_rank: list[dict], one: dict) -> None:
         assert run["lrs"] == one["lrs"], name
 
 
-def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_every_step(one_process):
-    per_rank = run_ok(layout_runs, 4, LAYOUTS, deadline=400)
+def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_and_norms_clipped_or_not(one_process):
+    per_rank = run_ok(layout_runs, 4, {**LAYOUTS, "unclipped": UNCLIPPED}, deadline=400)
+    unclipped = [found.pop("unclipped") for found in per_rank]
     check_layouts(per_rank, one_process["straight"])
+    first_norm = one_process["straight"]["grad_norms"][0]  # before any update: the same gradient
+    assert all(relative_gaps(run["grad_norms"], [first_norm]) <= 1e-5 for run in unclipped), unclipped
 
 
 @pytest.mark.long  # eight processes on two cores: 30 s
