@@ -14,12 +14,13 @@ import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from pipeclock import cli
+from pipeclock.checkpoints import choice as checkpoint_choice
 from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
 from pipeclock.models.text import TextCorpus
 from pipeclock.training.loop import TrainConfig, train
-from pipeclock.training.lr_schedule import LRSchedule, scheduler_at
+from pipeclock.training.lr_schedule import LRSchedule, resume_line, scheduler_at
 from pipeclock.training.optimizer import parameter_groups
 from tests.distributed import command, run_ok
 
@@ -206,6 +207,7 @@ def one_process_runs(rank: int, world: int, directory: str) -> dict:
     argv = ["train", *(f"--{k.replace('_', '-')}={v}" for k, v in GPT.items()), *longer, "--steps=16"]
     argv += [f"--checkpoint-dir={Path(directory) / 'longer'}", f"--resume={straight / 'step_000006'}"]
     found["longer"] = command(rank, world, argv)
+    found["saved"] = checkpoint_choice.read_run(straight / "step_000006")
     return found
 
 
@@ -228,6 +230,8 @@ def test_one_process_train_follows_plain_pytorch_adamw_with_torchs_schedulers_st
 def test_six_steps_resumed_to_twelve_are_the_straight_run_bit_for_bit(one_process):
     straight, resumed = one_process["straight"], one_process["resumed"]
     assert {name: values[6:] for name, values in straight.items()} == resumed
+    saved = one_process["saved"]["lr_scheduler"]  # the scheduler's position, in the checkpoint
+    assert saved == {"last_epoch": 6, "last_lr": [straight["lrs"][6]] * len(saved["last_lr"])}
 
 
 def test_a_resume_that_changes_steps_says_in_one_line_what_happens_to_the_decay(one_process):
@@ -241,6 +245,17 @@ def test_a_resume_that_changes_steps_says_in_one_line_what_happens_to_the_decay(
         f"is {rate:.4g}, not {old:.4g} as on the checkpoint's curve"
     ], printed.out
     assert "final loss" in printed.out.splitlines()[-1] and "after 16 steps" in printed.out
+
+
+def test_the_resume_line_says_where_a_wsd_decay_moves_and_nothing_for_a_constant_rate():
+    wsd = LRSchedule("wsd", 1e-3, 20, 2, 1e-4, 5)
+    saved = dict(lr_schedule="wsd", lr=1e-3, steps=10, warmup_steps=2, min_lr=1e-4, decay_steps=5)
+    assert resume_line(saved, wsd, 6) == (
+        "resume: the wsd decay now runs from step 15 to step 20 (it ended at step 10); step 6's rate is "
+        "0.001, not 0.00082 as on the checkpoint's curve"
+    )
+    assert resume_line({**saved, "steps": 20}, wsd, 6) is None  # the same --steps
+    assert resume_line(saved, LRSchedule("constant", 1e-3, 20), 6) is None  # no decay to move
 
 
 LAYOUTS = {"dp2 x pp2": dict(dp=2), "pp2 x tp2": dict(tp=2)}
