@@ -14,11 +14,14 @@ What wins:
 
 - The model comes from the checkpoint: its kind, its size and its seed (which fixed the initial weights
   and fixes every batch) must be what the flags ask for, or the run stops with one error saying which.
-- The state comes from the checkpoint: weights, Adam's moments, the step, the data position, the RNGs.
+- The state comes from the checkpoint: weights, Adam's moments, the step, the data position, the RNGs,
+  and the learning-rate scheduler's position (``lr_scheduler`` in its ``pipeclock.json``).
 - The training settings come from the command line, defaults included (``SETTINGS``): the flags describe
   the run from here on. Each one that differs from the saving run's is printed once,
-  ``resume: --lr 0.01 (checkpoint had 0.001)``. The learning rate is set again after the load, since the
-  optimizer state DCP restores carries the old one.
+  ``resume: --lr 0.01 (checkpoint had 0.001)``. The optimizer's hyperparameters (rate, betas, eps, weight
+  decay) are set again after the load, since the optimizer state DCP restores carries the old ones; a
+  new ``--steps`` moves the end of the decay, and the run says so in one line
+  (``training.lr_schedule.resume_line``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ from pipeclock.models.registry import describe, differences, same_model
 # recorded as resolved (the schedule's default filled in).
 SETTINGS = (
     "lr",
+    "optimizer",
+    "weight_decay",
+    "betas",
+    "eps",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr",
+    "decay_steps",
     "steps",
     "batch_size",
     "microbatches",
@@ -53,9 +64,10 @@ SETTINGS = (
 
 def settings_of(config) -> dict:
     """The values of ``SETTINGS`` a run uses, as a checkpoint records them."""
-    return {
+    found = {
         name: config.chunks_per_rank() if name == "chunks" else getattr(config, name) for name in SETTINGS
     }
+    return {**found, "betas": list(config.betas)}  # as JSON gives it back
 
 
 def target(config) -> Path:
@@ -129,10 +141,17 @@ def changes(saved: dict, config) -> list[str]:
     ]
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """The command line's learning rate, over the one the loaded optimizer state brought back."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """What a checkpoint records of the learning-rate scheduler: its position (the steps it has counted)
+    and the rates it set for the next step. The curve itself is the settings' (a pure function)."""
+    state = scheduler.state_dict()
+    return {"last_epoch": state["last_epoch"], "last_lr": [float(lr) for lr in state["_last_lr"]]}
+
+
+def scheduler_step(saved: dict, step: int) -> int:
+    """The scheduler's position a checkpoint recorded; ``step`` for one saved before it recorded any
+    (its rate was constant, so its position was its step count)."""
+    return saved.get("lr_scheduler", {}).get("last_epoch", step)
 
 
 def _seed(run: dict) -> int | None:
@@ -140,4 +159,6 @@ def _seed(run: dict) -> int | None:
 
 
 def _shown(value) -> str:
+    if isinstance(value, list | tuple):  # --betas 0.9,0.95
+        return ",".join(f"{item:g}" for item in value)
     return "none" if value is None else str(value)

@@ -19,6 +19,8 @@ from dataclasses import fields
 from pipeclock import comms
 from pipeclock.engine.precision import DTYPES
 from pipeclock.engine.recompute import POLICY_HELP, parse_policy
+from pipeclock.training.lr_schedule import check_schedule
+from pipeclock.training.optimizer import check_optimizer
 
 AT_LEAST_ONE = (
     "microbatches",
@@ -56,6 +58,8 @@ def check_values(config) -> None:
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype must be {' or '.join(DTYPES)}, got {config.dtype!r}")
     _check_data_parallel(config)
+    check_optimizer(config)
+    check_schedule(config)
 
 
 def _check_data_parallel(config) -> None:

@@ -7,7 +7,9 @@ steps with ``Pipeline.evaluate`` (forward only) and shown in bits per byte.
 Launched under torchrun, every rank runs ``train``; the number of stages is the number of processes.
 Rank 0 is the boss: it shows the progress and, at the end, the measurements of the whole run. The
 optimizer is per rank (each rank updates only the parameters it holds), which is all pipeline
-parallelism needs: no parameter lives on two ranks.
+parallelism needs: no parameter lives on two ranks. It is torch's Adam or AdamW with weight decay on the
+matrices (``training.optimizer``), at the rate ``training.lr_schedule`` gives each step; every step's
+rate and whole-model gradient norm (before any clipping) are in the result, beside its loss.
 
 With a checkpoint directory the run saves itself every ``checkpoint_every`` steps and after its last
 step (``checkpoints.save_load``), and holds the directory for its whole life, so that no second run
@@ -42,12 +44,14 @@ from pipeclock.models.text import bits_per_byte
 from pipeclock.observe import run_log
 from pipeclock.observe.collectives import timing_collectives
 from pipeclock.observe.metrics import GpuUtilization, ProcessMeter, RunReport, gather_run
-from pipeclock.parallel import clip_grad_norm
+from pipeclock.parallel import clip_grad_norm, grad_norm
 from pipeclock.plan import run_flops
 from pipeclock.plan.memory_fit import check_fits
 from pipeclock.training.balance import check_balance
 from pipeclock.training.checks import agree, check_loss, check_values, check_world, naming_the_rank
 from pipeclock.training.compiled import check_compilable
+from pipeclock.training.lr_schedule import LRSchedule, resume_line, scheduler_at
+from pipeclock.training.optimizer import build_optimizer, group_settings, parse_betas, restore_settings
 from pipeclock.training.stages import build_pipeline
 from pipeclock.training.task_choice import make_task
 
@@ -83,7 +87,15 @@ class TrainConfig:
     eval_batches: int = 4
     batch_size: int | None = None
     steps: int | None = None
-    lr: float | None = None
+    lr: float | None = None  # the peak rate, after any warm-up
+    optimizer: str = "adam"  # "adam" or "adamw" (torch.optim's, fused where the device has it)
+    weight_decay: float = 0.0  # adamw: on every parameter with 2+ dimensions (``training.optimizer``)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_schedule: str = "constant"  # "constant", "cosine", "linear" or "wsd" (``training.lr_schedule``)
+    warmup_steps: int = 0  # the rate climbs linearly to lr over these first steps
+    min_lr: float = 0.0  # where a decay ends
+    decay_steps: int | None = None  # wsd: the last N steps decay to min_lr
     seed: int = 0
     timeout: float = 60.0
     measure_memory: bool = True
@@ -123,6 +135,9 @@ class TrainConfig:
                     f"{self.schedule_csv} has {found} micro-batches, not --microbatches {self.microbatches}"
                 )
             self.microbatches, self.schedule = found, Path(self.schedule_csv).name
+        if isinstance(self.betas, str):  # "0.9,0.95", as a config file may give it
+            self.betas = parse_betas(self.betas)
+        self.betas = tuple(self.betas)
         if self.microbatches is None:  # 8, unless a replica's share of the batch is smaller
             self.microbatches = min(8, max(1, self.batch_size // max(1, self.dp)))
         check_values(self)
@@ -172,6 +187,8 @@ class TrainResult:
     first_step: int = 0  # losses[i] is step first_step + i; > 0 when resumed
     resumed_loss: float | None = None  # the checkpoint's last loss, when resumed
     validation: list[tuple[int, float]] = field(default_factory=list)  # (steps done, loss), language models
+    lrs: list[float] = field(default_factory=list)  # lrs[i]: the learning rate step first_step + i used
+    grad_norms: list[float] = field(default_factory=list)  # its whole model's gradient norm, before clipping
 
     @property
     def final_loss(self) -> float | None:
@@ -210,16 +227,17 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     with naming_the_rank():
         task = _checked_task(config)
         pipe, modules, shard, mesh = build_pipeline(config, task)
-    optimizer = torch.optim.Adam(unique_parameters(modules), lr=config.lr)
-    resumed = _resume(config, task, modules, optimizer)
+    optimizer = build_optimizer(config, unique_parameters(modules))
+    resumed, scheduled = _resume(config, task, modules, optimizer)
     start = resumed.step if resumed else 0
     if start >= config.steps:  # resumed from the run's last checkpoint: nothing left to do
         return TrainResult([], [], None, modules, start, resumed.loss)
+    scheduler = scheduler_at(optimizer, LRSchedule.of(config), scheduled)
     pipe.steps_done = start
     if on_begin:
         on_begin(start)
     meter, gpu = ProcessMeter(), GpuUtilization()
-    losses, records, validation = [], [], []
+    losses, records, validation, lrs, norms = [], [], [], [], []
     timed = timed_steps(start, config.steps, config.tp_timed_steps if config.tp > 1 else 0)
     step_tokens = config.batch_size * (1 if config.model == "mlp" else config.seq_len)
     log = _run_log(config, task, start)
@@ -229,16 +247,15 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
         optimizer.zero_grad(set_to_none=True)
         losses.append(_step(pipe, inputs[shard], targets[shard], step in timed))
         check_loss(losses[-1], step)
-        grad_norm = None
-        if config.clip_grad_norm is not None:
-            grad_norm = clip_grad_norm(pipe, config.clip_grad_norm, mesh)
-        lr = optimizer.param_groups[0]["lr"]  # the rate of this step's update
+        norms.append(_gradient_norm(pipe, config.clip_grad_norm, mesh))
+        lrs.append(optimizer.param_groups[0]["lr"])  # this step's rate, set by the scheduler
         optimizer.step()
+        scheduler.step()
         records.append(pipe.last)
         figures = {
             "loss": losses[-1],
-            "lr": lr,
-            "grad_norm": grad_norm,
+            "lr": lrs[-1],
+            "grad_norm": norms[-1],
             "step_seconds": time.perf_counter() - began,
             "step_tokens": step_tokens,
         }
@@ -253,13 +270,21 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
             log.log(step + 1, figures)
         if _checkpoint_due(config, step + 1):
             position = checkpoint.Position(step + 1, losses[-1], step + 1)
-            _save(config, task, position, modules, optimizer)
+            _save(config, task, position, modules, optimizer, scheduler)
     if log:
         log.close()
     report = gather_run(records, meter, gpu, chunks=len(modules))
     result = TrainResult(losses, records, report, modules, start, resumed.loss if resumed else None)
-    result.validation = validation
+    result.validation, result.lrs, result.grad_norms = validation, lrs, norms
     return result
+
+
+def _gradient_norm(pipe: Pipeline, clip: float | None, mesh) -> float:
+    """The whole model's gradient norm (every stage, replica and tp rank), clipped to ``clip`` after
+    it is measured when one is given: the same sum of squares and one scalar all-reduce either way."""
+    if clip is not None:
+        return clip_grad_norm(pipe, clip, mesh)
+    return grad_norm(pipe, mesh)
 
 
 def timed_steps(first: int, steps: int, count: int) -> range:
@@ -376,14 +401,17 @@ def _checkpoint_due(config: TrainConfig, steps_done: int) -> bool:
     return steps_done == config.steps or (every > 0 and steps_done % every == 0)
 
 
-def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Position | None:
-    """Load the checkpoint ``--resume`` means; refuse to mix a fresh run with an old one.
+def _resume(config: TrainConfig, task, modules, optimizer) -> tuple[checkpoint.Position | None, int]:
+    """Load the checkpoint ``--resume`` means; refuse to mix a fresh run with an old one. Returns where
+    it stopped (None: a fresh run) and the learning-rate schedule's position there (0 when fresh).
 
-    The model must be the checkpoint's; the flags' training settings win, and each change is reported
+    The model must be the checkpoint's; the flags' training settings win (the optimizer's hyperparameters
+    among them, over those its loaded state brings back), and each change is reported
     (``pipeclock.checkpoints.resume``).
     """
+    fresh = None, 0
     if not config.checkpoint_dir:
-        return None
+        return fresh
     if not config.resume:
         found = checkpoint.agreed_newest(config.checkpoint_dir)
         if found is not None:
@@ -391,25 +419,30 @@ def _resume(config: TrainConfig, task, modules, optimizer) -> checkpoint.Positio
                 f"rank {comms.get_rank()}: {config.checkpoint_dir} already holds checkpoints of a run "
                 f"(newest: {found.name}); resume it (--resume), or choose another directory"
             )
-        return None
+        return fresh
     choice = resume.choose(config)
     if choice.path is None:
         _say(f"no checkpoint in {config.checkpoint_dir} to resume from: starting fresh")
-        return None
+        return fresh
     for line in choice.skipped_lines():
         _say(line)
     found, saved = choice.path, checkpoint_choice.read_run(choice.path)
     resume.check_same_model(found, saved, task.run_info())
     resume.check_no_newer(config, found)
+    settings = group_settings(optimizer)
     position = checkpoint.load(found, modules, optimizer)
-    resume.set_learning_rate(optimizer, config.lr)
+    restore_settings(optimizer, settings)
+    scheduled = resume.scheduler_step(saved, position.step)
     before = _layout(saved["stages"], saved.get("replicas", 1), saved.get("tp", 1))
     now = _layout(_stages(config), config.dp, config.tp).removesuffix(" stage(s)")
     _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
     changed = resume.changes(saved, config)
     if changed:
         _say("resume: " + "; ".join(changed))
-    return position
+    decay = resume_line(saved.get("settings", {}), LRSchedule.of(config), scheduled)
+    if decay:
+        _say(decay)
+    return position, scheduled
 
 
 def _layout(stages: int, replicas: int, tp: int = 1) -> str:
@@ -424,7 +457,7 @@ def _stages(config: TrainConfig) -> int:
     return comms.get_world_size() // (config.dp * config.tp)
 
 
-def _save(config: TrainConfig, task, position: checkpoint.Position, modules, optimizer) -> None:
+def _save(config: TrainConfig, task, position: checkpoint.Position, modules, optimizer, scheduler) -> None:
     run = {
         **task.run_info(),
         "schedule": config.schedule,
@@ -433,6 +466,7 @@ def _save(config: TrainConfig, task, position: checkpoint.Position, modules, opt
         "replicas": config.dp,
         "tp": config.tp,
         "settings": resume.settings_of(config),
+        "lr_scheduler": resume.scheduler_state(scheduler),
     }
     path = checkpoint.save(config.checkpoint_dir, position, modules, optimizer, run)
     _say(f"checkpoint saved: {path} (step {position.step})")

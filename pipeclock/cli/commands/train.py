@@ -31,6 +31,7 @@ from pipeclock.cli.arguments import (
     add_link_arguments,
     check_output,
     link_from,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -43,6 +44,8 @@ from pipeclock.models.text import CorpusError, bits_per_byte
 from pipeclock.observe import run_log
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
 from pipeclock.training.loop import MODEL_DEFAULTS, Progress, TrainConfig, schedule_table, train
+from pipeclock.training.lr_schedule import SCHEDULES as LR_SCHEDULES
+from pipeclock.training.optimizer import OPTIMIZERS, parse_betas
 from pipeclock.training.task_choice import make_task
 from pipeclock.training.tasks import LanguageTask
 
@@ -156,7 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr",
         type=positive_float,
-        help=f"Adam learning rate (default {mlp['lr']:g} for mlp, {gpt['lr']:g} for gpt)",
+        help=f"the peak learning rate, reached after any warm-up (default {mlp['lr']:g} for mlp, "
+        f"{gpt['lr']:g} for gpt)",
+    )
+    _add_optimizer_arguments(
+        parser.add_argument_group("the optimizer and its learning-rate schedule"), defaults
     )
     parser.add_argument(
         "--seed",
@@ -260,6 +267,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send the same records to this Weights & Biases project (needs the wandb package; "
         "WANDB_MODE=offline keeps the run on disk, with no network)",
     )  # fmt: skip
+
+
+def _add_optimizer_arguments(group, defaults: TrainConfig) -> None:
+    group.add_argument(
+        "--optimizer", default=defaults.optimizer, choices=list(OPTIMIZERS),
+        help="torch.optim's Adam or AdamW (decoupled weight decay), fused where the device has the "
+        f"kernel (CPU, CUDA), else foreach (default {defaults.optimizer})",
+    )  # fmt: skip
+    group.add_argument(
+        "--weight-decay", type=non_negative_float, default=defaults.weight_decay, metavar="X",
+        help="adamw's weight decay, on every parameter with two or more dimensions (matrices, embeddings; "
+        "a tied weight once), never on biases or norm weights; refused with adam, where it would be an "
+        "L2 penalty (default 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--betas", type=_betas, default=defaults.betas, metavar="B1,B2",
+        help="the decay rates of the moment estimates, each in [0, 1) (default 0.9,0.999)",
+    )  # fmt: skip
+    group.add_argument(
+        "--eps", type=positive_float, default=defaults.eps,
+        help=f"added to the update's denominator (default {defaults.eps:g})",
+    )  # fmt: skip
+    group.add_argument(
+        "--lr-schedule", default=defaults.lr_schedule, choices=list(LR_SCHEDULES),
+        help="the rate after the warm-up: constant --lr; cosine or linear from --lr down to --min-lr over "
+        "the rest of the run; wsd: --lr, then linear down to --min-lr over the last --decay-steps "
+        f"(default {defaults.lr_schedule}). A resumed run continues the same curve",
+    )  # fmt: skip
+    group.add_argument(
+        "--warmup-steps", type=non_negative_int, default=defaults.warmup_steps, metavar="W",
+        help="step s < W runs at --lr x (s + 1) / W (default 0: no warm-up; at most --steps)",
+    )  # fmt: skip
+    group.add_argument(
+        "--min-lr", type=non_negative_float, default=defaults.min_lr, metavar="X",
+        help="where a cosine, linear or wsd decay ends, at most --lr (default 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--decay-steps", type=positive_int, default=defaults.decay_steps, metavar="N",
+        help="--lr-schedule wsd: the last N steps decay (default: none, which wsd refuses; at most --steps "
+        "less the warm-up)",
+    )  # fmt: skip
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        return parse_betas(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be two numbers B1,B2 (e.g. 0.9,0.95), got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
