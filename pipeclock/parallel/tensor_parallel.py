@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from pipeclock import comms
 from pipeclock.engine.ties import tie, tie_key
+from pipeclock.parallel import tp_layouts
 
 Plan = Mapping[str, str]
 
@@ -57,11 +58,31 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "rowwise": RowwiseParallel,
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": RowwiseParallel,
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "replicate": None,
+    "replicated_with_grad_allreduce": None,
+}
+# transformers' styles that have no torch ParallelStyle here, each with why
+NOT_TRANSLATED = {
+    "packed_colwise": "a fused weight (gate and up stacked): each rank needs its slice of each half, "
+    "which a contiguous column split does not give",
+    "packed_rowwise": "a fused weight read by halves: each rank needs its slice of each half",
+    "moe_tp_experts": "experts split by tp (give them to ranks with --ep instead)",
+    "moe_identity_expert": "experts split by tp (give them to ranks with --ep instead)",
+    "sequence_parallel": "sequence parallel is not offered (docs/three-axes.md)",
+    "local_params": "parameters kept local to each rank, outside DTensor",
+    "local_colwise": "a column split kept outside DTensor",
+    "local_rowwise": "a row split kept outside DTensor",
+    "local_packed_rowwise": "a fused weight read by halves",
+    "local": "a module kept outside DTensor",
+    "mla_kv_a_proj": "a multi-head latent attention projection split in parts",
+    "all_reduce": "a module whose output is each rank's partial sum",
+    "ep_router": "experts split over ranks (use --ep)",
+    "grouped_gemm": "experts split over ranks (use --ep)",
+    "gather": "a gathered module of expert parallelism (use --ep)",
 }
 COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise")
 
@@ -119,10 +140,12 @@ def tensor_parallel(
         if style is not None:
             parallelize_module(split.module, tp_mesh, style())
     _restore_shared(shared)
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         for parameter in chunk.parameters():
             if isinstance(parameter, DTensor):
                 parameter.register_post_accumulate_grad_hook(_gradient_laid_out_as_parameter)
+        styles = {id(s.module): (s.name, s.style) for s in splits if s.chunk == index}
+        tp_layouts.watch(chunk, styles, tp_mesh, source)
     return chunks
 
 
@@ -157,11 +180,14 @@ def read_plan(path: str | Path) -> dict[str, str]:
 
 
 def _check_styles(plan: Plan, source: str) -> None:
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
-    if unknown:
+    """The first pattern whose style pipeclock does not translate, refused with the style and why."""
+    for pattern, style in plan.items():
+        if style in STYLES:
+            continue
+        why = NOT_TRANSLATED.get(style, f"it knows {', '.join(STYLES)}")
         raise ValueError(
-            f"rank {comms.get_rank()}: {source} asks for {', '.join(map(repr, unknown))}, which pipeclock "
-            f"does not translate to a torch ParallelStyle (it knows {', '.join(STYLES)})"
+            f"rank {comms.get_rank()}: {source} asks for {style!r} at {pattern}, which pipeclock does not "
+            f"translate to a torch ParallelStyle ({why})"
         )
 
 
