@@ -165,3 +165,20 @@ def test_per_head_norms_and_attention_dropout_train_at_tp2_as_one_process(two_ra
         for case, gaps in exact.items():
             assert gaps["loss"] < TOLERANCE and gaps["grad"] < TOLERANCE, (rank, case, gaps)
             assert gaps["copies"] == 0.0, (rank, case, gaps)  # the replicated copies stay one
+
+
+def at_pp2_x_tp2(rank: int, world: int) -> dict[str, dict[str, float]]:
+    mesh = parallel.init_mesh(1, 2)
+    return {
+        "qwen3": hf_gaps(small("qwen3"), mesh),
+        "gemma3": hf_gaps(small("gemma3"), mesh),
+        "llama attention dropout": hf_gaps(small("llama", attention_dropout=0.1), mesh, m=1),
+    }
+
+
+@pytest.mark.long
+def test_per_head_norms_and_attention_dropout_train_at_pp2_x_tp2_as_one_process():
+    for rank, exact in enumerate(run_ok(at_pp2_x_tp2, 4, deadline=600)):
+        for case, gaps in exact.items():
+            assert gaps["loss"] < TOLERANCE and gaps["grad"] < TOLERANCE, (rank, case, gaps)
+            assert gaps["copies"] == 0.0, (rank, case, gaps)

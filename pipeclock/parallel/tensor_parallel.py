@@ -9,16 +9,18 @@ module path, ``*`` standing for any one name, mapped to a style name. Each style
     rowwise                          RowwiseParallel(): the weight's columns split, each rank's input its
                                      slice, the outputs all-reduced (replicated)
     colwise_rep, colwise_gather_output   ColwiseParallel(output_layouts=Replicate()): the slices gathered
-    rowwise_rep                      RowwiseParallel()
-    rowwise_split_input              RowwiseParallel(input_layouts=Replicate()): each rank takes its slice
+    rowwise_split_input, rowwise_rep RowwiseParallel(input_layouts=Replicate()): each rank takes its slice
     embedding_rowwise                RowwiseParallel(input_layouts=Replicate()) on an embedding: the
                                      vocabulary split, the looked-up rows all-reduced
     embedding_colwise                ColwiseParallel(output_layouts=Replicate()) on an embedding
-    replicate                        the module left whole on every rank
+    replicate, replicated_with_grad_allreduce   the module left whole on every rank; fed a slice (between a
+                                     column split and its row split), its gradient summed over tp
 
 Parameters of a split module become DTensors over the mesh's ``"tp"`` dim; every other module stays
-whole on each tp rank, and sees the same (replicated) inputs and gradients on every one of them, so its
-gradient is one device's with no sum. ``SequenceParallel`` is not offered: see docs/three-axes.md.
+whole on each tp rank. Outside the split regions it sees the same (replicated) inputs and gradients on
+every one of them, so its gradient is one device's with no sum; inside one, `tp_layouts` sums it or
+refuses the plan. The styles ``transformers`` writes that have no counterpart here (``NOT_TRANSLATED``)
+are refused by name. ``SequenceParallel`` is not offered: see docs/three-axes.md.
 
 A plan is checked before anything is split, on every rank alike: a style torch has no counterpart for,
 a pattern that names no module of the model (on any stage), a module that is no ``nn.Linear`` or

@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from pipeclock import comms
+
 OPENING, READING = ("colwise",), ("rowwise", "rowwise_split_input", "rowwise_rep")
 
 
@@ -70,8 +72,9 @@ class SlicedDropout(TorchFunctionMode):
         if x.shape[-1] * self.mesh.size() == module.weight.shape[0]:
             return x.dim() - 1  # the column split's own output
         raise ValueError(
-            f"{self.source}: a dropout of shape {list(x.shape)} runs on each rank's slice of {name}'s "
-            "output, and pipeclock cannot tell which of its dims tp splits: set it to 0 or train without --tp"
+            f"rank {comms.get_rank()}: {self.source}: a dropout of shape {list(x.shape)} runs on each "
+            f"rank's slice of {name}'s output, and pipeclock cannot tell which of its dims tp splits: "
+            "set it to 0 or train without --tp"
         )
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -34,7 +34,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
+from pipeclock import comms
 from pipeclock.engine.rng import KeyedDropout
+from pipeclock.engine.step_run import StageError
 from pipeclock.parallel import tp_dropout
 from pipeclock.parallel.tp_dropout import Region
 
@@ -42,6 +44,11 @@ OPENING = ("colwise",)  # a column split whose output stays sliced
 READING_SLICES = ("rowwise",)  # a row split whose input is this rank's slice
 READING_WHOLE = ("rowwise_split_input", "rowwise_rep")  # a row split that slices a whole input itself
 REPLICATED = ("replicate", "replicated_with_grad_allreduce")
+
+
+class PlanRefused(StageError, ValueError):
+    """A plan refused in a stage's first forward: a refusal (one line, exit 2) that the pipeline passes on
+    as it is, as it does a stage's own error."""
 
 
 @dataclass
@@ -100,10 +107,11 @@ def _finish(found: Watch, chunk: nn.Module) -> None:
         name, module = found.region.open[-1]
         found.region.open.clear()
         style = found.styles[id(module)][1]
-        raise ValueError(
-            f"{found.source} leaves the stage's output split: {name} ({style}) hands on each rank's slice "
-            "and no row split after it makes it whole; a stage's output (sent on, or read by the loss) "
-            "must be whole (end with a rowwise module, or use colwise_gather_output)"
+        raise PlanRefused(
+            f"rank {comms.get_rank()}: {found.source} leaves the stage's output split: {name} ({style}) "
+            "hands on each rank's slice and no row split after it makes it whole; a stage's output "
+            "(sent on, or read by the loss) must be whole (end with a rowwise module, or use "
+            "colwise_gather_output)"
         )
     if not trained:
         return  # checked again in the next forward, until one in training mode has run
@@ -119,7 +127,7 @@ def _refuse(found: Watch, message: str) -> None:
     found.region.open.clear()
     if found.mode is not None:
         found.mode.__exit__(None, None, None)
-    raise ValueError(f"{found.source}: {message}")
+    raise PlanRefused(f"rank {comms.get_rank()}: {found.source}: {message}")
 
 
 def _before(found: Watch, name: str, module: nn.Module, args) -> None:
