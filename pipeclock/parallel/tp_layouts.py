@@ -144,6 +144,8 @@ def _before(found: Watch, name: str, module: nn.Module, args) -> None:
                 "set that dropout to 0 or train without --tp",
             )
         return
+    if style not in OPENING and _holds_a_column_split(module, found.styles):
+        _own_weights_beside_a_split(found, name, module, style)
     if style in OPENING:
         region.open.append((name, module))
     elif style in READING_SLICES:
@@ -168,6 +170,24 @@ def _before(found: Watch, name: str, module: nn.Module, args) -> None:
         _refuse_if_open(found, name, style)
 
 
+def _own_weights_beside_a_split(found: Watch, name: str, module: nn.Module, style: str | None) -> None:
+    """A module that runs a column split and holds weights of its own (DiffLlama's ``lambda_q1``, a
+    sink per head) may use them on each rank's slice: summed like a replicated module's if the plan
+    marks it so, else refused."""
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if not own:
+        return
+    if style in REPLICATED:
+        module._pipeclock_tp_sum = True
+        return
+    _refuse(
+        found,
+        f"{name} holds weights of its own ({', '.join(own)}) beside the column split it runs, where they "
+        "may meet each rank's slice: mark it replicated_with_grad_allreduce if they work on each slice "
+        "alone (their gradients are then summed over tp), or split it otherwise",
+    )
+
+
 def _refuse_if_open(found: Watch, name: str, style: str | None) -> None:
     if not found.region.open:
         return
@@ -182,11 +202,17 @@ def _refuse_if_open(found: Watch, name: str, style: str | None) -> None:
 
 
 def _fits_a_slice(found: Watch, name: str, module: nn.Module, args) -> None:
-    """A replicated module fed a slice must work on it alone: its weights fit the input's trailing dims."""
+    """A replicated module fed a slice must work on it alone: each of its weights broadcasts over the
+    input's trailing dims (a dim of 1, or the input's own size)."""
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
     for parameter in module.parameters(recurse=False):
         shape = tuple(parameter.shape)
-        if x is None or tuple(x.shape[len(x.shape) - len(shape) :]) != shape:
+        trailing = None if x is None else tuple(x.shape[len(x.shape) - len(shape) :])
+        if (
+            trailing is None
+            or len(trailing) != len(shape)
+            or any(p not in (1, t) for p, t in zip(shape, trailing, strict=True))
+        ):
             got = "?" if x is None else list(x.shape)
             _refuse(
                 found,
@@ -195,6 +221,10 @@ def _fits_a_slice(found: Watch, name: str, module: nn.Module, args) -> None:
                 "fit (a weight per head, where tp splits the heads): pipeclock does not split it; "
                 "train without --tp",
             )
+
+
+def _holds_a_column_split(module: nn.Module, styles: dict[int, tuple[str, str]]) -> bool:
+    return any(styles.get(id(m), (None, None))[1] in OPENING for m in module.modules() if m is not module)
 
 
 def _summing_hook(mesh: DeviceMesh):
