@@ -3,8 +3,10 @@
 A plan that leaves a stage's output split, reads a slice as whole, or splits the wrong neighbour is
 refused in the stage's first forward, naming the module, before it reads anything laid out wrong; a
 replicated module fed a slice (Qwen3's and Gemma3's per-head norms) has its gradient summed over tp, so
-its copies stay equal and one process's; dropout between the splits draws this rank's slice of the one
-process's mask; every style ``transformers`` writes is translated or refused by name.
+its copies stay equal and one process's; a norm with a weight per head (Cohere's ``use_qk_norm``) is
+split with its heads, or refused when a plan keeps it whole; dropout between the splits draws this
+rank's slice of the one process's mask; every style ``transformers`` writes is translated or refused by
+name.
 """
 
 from __future__ import annotations
@@ -124,13 +126,18 @@ def at_tp2(rank: int, world: int) -> tuple[dict, dict]:
         "gpt only fc": gpt_step({"h*.fc": "colwise"}, mesh),
         "gpt only out": gpt_step({"h*.out": "rowwise"}, mesh),
         "gpt swapped": gpt_step(swapped, mesh),
-        "cohere qk norm": hf_refusal(small("cohere", use_qk_norm=True), mesh),
+        "cohere qk norm replicated": hf_refusal(
+            small("cohere", use_qk_norm=True),
+            mesh,
+            small("cohere").base_model_tp_plan | {"layers.*.self_attn.q_norm": "replicate"},
+        ),
         "mixtral": hf_refusal(small("mixtral", num_local_experts=2), mesh),
     }
     exact = {
         "qwen3": hf_gaps(small("qwen3"), mesh),
         "qwen3 replicate": hf_gaps(small("qwen3"), mesh, qwen3_replicate),
         "gemma3": hf_gaps(small("gemma3"), mesh),
+        "cohere qk norm split with its heads": hf_gaps(small("cohere", use_qk_norm=True), mesh),
         "llama attention dropout": hf_gaps(small("llama", attention_dropout=0.1), mesh, m=1),
         "qwen3 attention dropout": hf_gaps(small("qwen3", attention_dropout=0.1), mesh, m=1),
     }
@@ -150,8 +157,8 @@ def test_plans_that_cannot_work_are_refused_in_one_line_naming_the_module(two_ra
         "gpt only fc": "h0.out is whole on every rank but runs after h0.fc (colwise)",
         "gpt only out": "h0.out (rowwise) expects each rank's slice of its input, but nothing",
         "gpt swapped": "h0.attn.q (rowwise) expects each rank's slice of its input",
-        "cohere qk norm": "model.layers.0.self_attn.q_norm is whole on every rank but runs on each rank's "
-        "slice",
+        "cohere qk norm replicated": "model.layers.0.self_attn.q_norm is whole on every rank but runs on "
+        "each rank's slice",
         "mixtral": "asks for 'packed_colwise' at model.layers.*.mlp.experts.gate_up_proj, which pipeclock "
         "does not translate to a torch ParallelStyle (a fused weight",
     }
@@ -172,7 +179,9 @@ def at_pp2_x_tp2(rank: int, world: int) -> dict[str, dict[str, float]]:
     return {
         "qwen3": hf_gaps(small("qwen3"), mesh),
         "gemma3": hf_gaps(small("gemma3"), mesh),
+        "cohere qk norm split with its heads": hf_gaps(small("cohere", use_qk_norm=True), mesh),
         "llama attention dropout": hf_gaps(small("llama", attention_dropout=0.1), mesh, m=1),
+        "cohere qk norm": hf_gaps(small("cohere", use_qk_norm=True), mesh),
     }
 
 

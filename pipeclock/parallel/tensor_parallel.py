@@ -13,6 +13,8 @@ module path, ``*`` standing for any one name, mapped to a style name. Each style
     embedding_rowwise                RowwiseParallel(input_layouts=Replicate()) on an embedding: the
                                      vocabulary split, the looked-up rows all-reduced
     embedding_colwise                ColwiseParallel(output_layouts=Replicate()) on an embedding
+    per_head                         pipeclock's own: a norm's weight [heads, head_dim] split with the
+                                     heads (`per_head`), for Cohere's use_qk_norm
     replicate, replicated_with_grad_allreduce   the module left whole on every rank; fed a slice (between a
                                      column split and its row split), its gradient summed over tp
 
@@ -52,6 +54,7 @@ from torch.distributed.tensor.parallel import (
 from pipeclock import comms
 from pipeclock.engine.ties import tie, tie_key
 from pipeclock.parallel import tp_layouts
+from pipeclock.parallel.per_head import PerHead
 
 Plan = Mapping[str, str]
 
@@ -66,6 +69,7 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "replicate": None,
     "replicated_with_grad_allreduce": None,
+    "per_head": PerHead,
 }
 # transformers' styles that have no torch ParallelStyle here, each with why
 NOT_TRANSLATED = {
@@ -211,6 +215,12 @@ def _resolve(chunks: list[nn.Module], plan: Plan) -> Iterator[Split]:
 def _problem(split: Split, tp: int, source: str) -> str | None:
     """What is wrong with one split on this rank, or None."""
     if STYLES[split.style] is None:
+        return None
+    if split.style == "per_head":
+        weight = getattr(split.module, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.shape[0] % tp:
+            shape = None if weight is None else list(weight.shape)
+            return f"--tp {tp} does not split {split.name}'s weight {shape} by heads (per_head)"
         return None
     if not isinstance(split.module, nn.Linear | nn.Embedding):
         return (

@@ -156,6 +156,8 @@ def _before(found: Watch, name: str, module: nn.Module, args) -> None:
                 "before it in the stage splits one (a colwise module must come first)",
             )
         region.open.clear()
+    elif style == "per_head":
+        return  # split with the heads it reads
     elif style in READING_WHOLE:
         _refuse_if_open(found, name, style)
     elif style in REPLICATED:
