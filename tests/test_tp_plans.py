@@ -126,6 +126,8 @@ def at_tp2(rank: int, world: int) -> tuple[dict, dict]:
         "gpt only fc": gpt_step({"h*.fc": "colwise"}, mesh),
         "gpt only out": gpt_step({"h*.out": "rowwise"}, mesh),
         "gpt swapped": gpt_step(swapped, mesh),
+        "gpt rowwise_rep after a column split": gpt_step(gpt_plan | {"h*.attn.proj": "rowwise_rep"}, mesh),
+        "sequence parallel": gpt_step(gpt_plan | {"h*.ln1": "sequence_parallel"}, mesh),
         "cohere qk norm replicated": hf_refusal(
             small("cohere", use_qk_norm=True),
             mesh,
@@ -157,6 +159,9 @@ def test_plans_that_cannot_work_are_refused_in_one_line_naming_the_module(two_ra
         "gpt only fc": "h0.out is whole on every rank but runs after h0.fc (colwise)",
         "gpt only out": "h0.out (rowwise) expects each rank's slice of its input, but nothing",
         "gpt swapped": "h0.attn.q (rowwise) expects each rank's slice of its input",
+        "gpt rowwise_rep after a column split": "h0.attn.proj (rowwise_rep) takes a whole input but runs "
+        "after h0.attn.v (colwise)",
+        "sequence parallel": "asks for 'sequence_parallel' at h*.ln1, which pipeclock does not translate",
         "cohere qk norm replicated": "model.layers.0.self_attn.q_norm is whole on every rank but runs on "
         "each rank's slice",
         "mixtral": "asks for 'packed_colwise' at model.layers.*.mlp.experts.gate_up_proj, which pipeclock "
