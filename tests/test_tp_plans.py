@@ -184,7 +184,6 @@ def at_pp2_x_tp2(rank: int, world: int) -> dict[str, dict[str, float]]:
     return {
         "qwen3": hf_gaps(small("qwen3"), mesh),
         "gemma3": hf_gaps(small("gemma3"), mesh),
-        "cohere qk norm split with its heads": hf_gaps(small("cohere", use_qk_norm=True), mesh),
         "llama attention dropout": hf_gaps(small("llama", attention_dropout=0.1), mesh, m=1),
         "cohere qk norm": hf_gaps(small("cohere", use_qk_norm=True), mesh),
     }
