@@ -109,16 +109,11 @@ def hf_refusal(config, mesh, given=None) -> str:
     return refused(lambda: hf_gaps(config, mesh, given))
 
 
-def at_tp2(rank: int, world: int) -> tuple[dict, dict]:
+def refusals_at_tp2(rank: int, world: int) -> dict[str, str]:
     mesh = parallel.init_mesh(1, world)
     gpt_plan = gpt.tp_plan(gpt.GPTConfig(dim=16, layers=2, heads=2, seq_len=8), 2)
     without_v = {k: v for k, v in gpt_plan.items() if not k.endswith(".v")}
     swapped = {k: {"colwise": "rowwise", "rowwise": "colwise"}.get(v, v) for k, v in gpt_plan.items()}
-    qwen3_replicate = {
-        **small("qwen3").base_model_tp_plan,
-        "layers.*.self_attn.q_norm": "replicate",
-        "layers.*.self_attn.k_norm": "replicate",
-    }
     refusals = {
         "mlp output split": mlp_step({"layers.1": "colwise"}, mesh),
         "mlp last layer at 64": mlp_step({"layers.1": "colwise"}, mesh, 64),
@@ -135,7 +130,17 @@ def at_tp2(rank: int, world: int) -> tuple[dict, dict]:
         ),
         "mixtral": hf_refusal(small("mixtral", num_local_experts=2), mesh),
     }
-    exact = {
+    return refusals
+
+
+def exact_at_tp2(rank: int, world: int) -> dict[str, dict[str, float]]:
+    mesh = parallel.init_mesh(1, world)
+    qwen3_replicate = {
+        **small("qwen3").base_model_tp_plan,
+        "layers.*.self_attn.q_norm": "replicate",
+        "layers.*.self_attn.k_norm": "replicate",
+    }
+    return {
         "qwen3": hf_gaps(small("qwen3"), mesh),
         "qwen3 replicate": hf_gaps(small("qwen3"), mesh, qwen3_replicate),
         "gemma3": hf_gaps(small("gemma3"), mesh),
@@ -143,15 +148,9 @@ def at_tp2(rank: int, world: int) -> tuple[dict, dict]:
         "llama attention dropout": hf_gaps(small("llama", attention_dropout=0.1), mesh, m=1),
         "qwen3 attention dropout": hf_gaps(small("qwen3", attention_dropout=0.1), mesh, m=1),
     }
-    return refusals, exact
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> list[tuple[dict, dict]]:
-    return run_ok(at_tp2, 2, deadline=600)
-
-
-def test_plans_that_cannot_work_are_refused_in_one_line_naming_the_module(two_ranks):
+def test_plans_that_cannot_work_are_refused_in_one_line_naming_the_module():
     expected = {
         "mlp output split": "leaves the stage's output split: layers.1 (colwise)",
         "mlp last layer at 64": "leaves the stage's output split: layers.1 (colwise)",
@@ -167,13 +166,13 @@ def test_plans_that_cannot_work_are_refused_in_one_line_naming_the_module(two_ra
         "mixtral": "asks for 'packed_colwise' at model.layers.*.mlp.experts.gate_up_proj, which pipeclock "
         "does not translate to a torch ParallelStyle (a fused weight",
     }
-    for rank, (found, _) in enumerate(two_ranks):
+    for rank, found in enumerate(run_ok(refusals_at_tp2, 2, deadline=600)):
         for case, message in found.items():
             assert expected[case] in message and "\n" not in message, (rank, case, message)
 
 
-def test_per_head_norms_and_attention_dropout_train_at_tp2_as_one_process(two_ranks):
-    for rank, (_, exact) in enumerate(two_ranks):
+def test_per_head_norms_and_attention_dropout_train_at_tp2_as_one_process():
+    for rank, exact in enumerate(run_ok(exact_at_tp2, 2, deadline=600)):
         for case, gaps in exact.items():
             assert gaps["loss"] < TOLERANCE and gaps["grad"] < TOLERANCE, (rank, case, gaps)
             assert gaps["copies"] == 0.0, (rank, case, gaps)  # the replicated copies stay one
