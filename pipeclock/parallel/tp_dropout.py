@@ -5,13 +5,13 @@ columns): attention probabilities ``[batch, heads / tp, queries, keys]``. ``F.dr
 dropout inside ``F.scaled_dot_product_attention``) would draw a mask of that local shape from the
 generator the layer was seeded with (`pipeclock.models.hf.randomness`), the first elements of the one
 process's mask rather than this rank's heads of it. Here each rank draws the whole mask, in the order and
-shape one process does (``empty(whole).bernoulli_(1 - p)``, what ``F.dropout`` and SDPA's math path draw
-on the CPU), and keeps its own heads' slice: the mask, the generator's state after it, the loss and the
+shape one process does (``F.dropout`` of ones of the whole shape, what SDPA's math path draws too on the
+CPU), and keeps its own heads' slice: the mask, the generator's state after it, the loss and the
 gradients are one process's, at the cost of drawing ``tp`` times the numbers.
 
 A dropout there whose split dim cannot be told (not 4-d attention probabilities, nor a last dim that is
-the column split's share) is refused in one line. The draws are exact on the CPU; CUDA's fused dropout
-kernel draws its own way.
+the column split's share) is refused in one line, and so is SDPA's dropout on a GPU, drawn inside its
+fused kernels.
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ class SlicedDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _mask(self, x: torch.Tensor, p: float) -> torch.Tensor:
-        """This rank's slice of the whole mask (scaled by 1 / (1 - p)), drawn as one process draws it."""
+        """This rank's slice of the whole mask (scaled by 1 / (1 - p)): ``F.dropout`` of ones of the whole
+        shape, the same draw from the same generator as one process's ``F.dropout`` on any device."""
         self.used = True
         dim = self._split_dim(x)
         tp, rank = self.mesh.size(), self.mesh.get_local_rank()
         whole = list(x.shape)
         whole[dim] *= tp
-        mask = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), p, training=True)
         return mask.narrow(dim, rank * x.shape[dim], x.shape[dim])
 
     def _split_dim(self, x: torch.Tensor) -> int:
@@ -79,7 +80,14 @@ class SlicedDropout(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):  # fmt: skip
-        """SDPA's math, with the dropout of the attention probabilities drawn whole and sliced."""
+        """SDPA's math, with the dropout of the attention probabilities drawn whole and sliced (the CPU's
+        SDPA draws them as ``F.dropout`` does; a GPU's fused kernels draw their own way: refused)."""
+        if query.device.type != "cpu":
+            raise ValueError(
+                f"rank {comms.get_rank()}: {self.source}: attention dropout inside "
+                "F.scaled_dot_product_attention on a GPU draws its mask inside the kernel, which tp cannot "
+                "slice as one process draws it: set attention_dropout to 0, or use attn_implementation eager"
+            )
         if enable_gqa:
             key = key.repeat_interleave(query.shape[-3] // key.shape[-3], -3)
             value = value.repeat_interleave(query.shape[-3] // value.shape[-3], -3)
