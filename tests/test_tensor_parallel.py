@@ -259,7 +259,7 @@ def two_ranks() -> list[tuple[dict, dict]]:
 def test_a_bad_plan_or_layout_is_one_line_on_every_rank_before_anything_is_split(two_ranks):
     expected = {
         "absent module": "--tp-plan bad.json names h*.attn.qkv, which the model does not have",
-        "unknown style": "--tp-plan bad.json asks for 'packed_colwise', which pipeclock does not translate",
+        "unknown style": "--tp-plan bad.json asks for 'packed_colwise' at h0.attn.q, which pipeclock",
         "not a Linear": "--tp-plan bad.json splits h0.ln1 (colwise), a LayerNorm: only nn.Linear and",
         "tie split at one end": "splits the tied weight embed.wte.weight differently where it is used",
         "width": "--tp 2 does not divide the 15 output features of layers.0 (colwise splits them)",

@@ -9,16 +9,20 @@ module path, ``*`` standing for any one name, mapped to a style name. Each style
     rowwise                          RowwiseParallel(): the weight's columns split, each rank's input its
                                      slice, the outputs all-reduced (replicated)
     colwise_rep, colwise_gather_output   ColwiseParallel(output_layouts=Replicate()): the slices gathered
-    rowwise_rep                      RowwiseParallel()
-    rowwise_split_input              RowwiseParallel(input_layouts=Replicate()): each rank takes its slice
+    rowwise_split_input, rowwise_rep RowwiseParallel(input_layouts=Replicate()): each rank takes its slice
     embedding_rowwise                RowwiseParallel(input_layouts=Replicate()) on an embedding: the
                                      vocabulary split, the looked-up rows all-reduced
     embedding_colwise                ColwiseParallel(output_layouts=Replicate()) on an embedding
-    replicate                        the module left whole on every rank
+    per_head                         pipeclock's own: a norm's weight [heads, head_dim] split with the
+                                     heads (`per_head`), for Cohere's use_qk_norm
+    replicate, replicated_with_grad_allreduce   the module left whole on every rank; fed a slice (between a
+                                     column split and its row split), its gradient summed over tp
 
 Parameters of a split module become DTensors over the mesh's ``"tp"`` dim; every other module stays
-whole on each tp rank, and sees the same (replicated) inputs and gradients on every one of them, so its
-gradient is one device's with no sum. ``SequenceParallel`` is not offered: see docs/three-axes.md.
+whole on each tp rank. Outside the split regions it sees the same (replicated) inputs and gradients on
+every one of them, so its gradient is one device's with no sum; inside one, `tp_layouts` sums it or
+refuses the plan. The styles ``transformers`` writes that have no counterpart here (``NOT_TRANSLATED``)
+are refused by name. ``SequenceParallel`` is not offered: see docs/three-axes.md.
 
 A plan is checked before anything is split, on every rank alike: a style torch has no counterpart for,
 a pattern that names no module of the model (on any stage), a module that is no ``nn.Linear`` or
@@ -49,6 +53,8 @@ from torch.distributed.tensor.parallel import (
 
 from pipeclock import comms
 from pipeclock.engine.ties import tie, tie_key
+from pipeclock.parallel import tp_layouts
+from pipeclock.parallel.per_head import PerHead
 
 Plan = Mapping[str, str]
 
@@ -57,11 +63,32 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "rowwise": RowwiseParallel,
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": RowwiseParallel,
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "replicate": None,
+    "replicated_with_grad_allreduce": None,
+    "per_head": PerHead,
+}
+# transformers' styles that have no torch ParallelStyle here, each with why
+NOT_TRANSLATED = {
+    "packed_colwise": "a fused weight (gate and up stacked): each rank needs its slice of each half, "
+    "which a contiguous column split does not give",
+    "packed_rowwise": "a fused weight read by halves: each rank needs its slice of each half",
+    "moe_tp_experts": "experts split by tp (give them to ranks with --ep instead)",
+    "moe_identity_expert": "experts split by tp (give them to ranks with --ep instead)",
+    "sequence_parallel": "sequence parallel is not offered (docs/three-axes.md)",
+    "local_params": "parameters kept local to each rank, outside DTensor",
+    "local_colwise": "a column split kept outside DTensor",
+    "local_rowwise": "a row split kept outside DTensor",
+    "local_packed_rowwise": "a fused weight read by halves",
+    "local": "a module kept outside DTensor",
+    "mla_kv_a_proj": "a multi-head latent attention projection split in parts",
+    "all_reduce": "a module whose output is each rank's partial sum",
+    "ep_router": "experts split over ranks (use --ep)",
+    "grouped_gemm": "experts split over ranks (use --ep)",
+    "gather": "a gathered module of expert parallelism (use --ep)",
 }
 COLUMN_STYLES = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise")
 
@@ -119,10 +146,12 @@ def tensor_parallel(
         if style is not None:
             parallelize_module(split.module, tp_mesh, style())
     _restore_shared(shared)
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         for parameter in chunk.parameters():
             if isinstance(parameter, DTensor):
                 parameter.register_post_accumulate_grad_hook(_gradient_laid_out_as_parameter)
+        styles = {id(s.module): (s.name, s.style) for s in splits if s.chunk == index}
+        tp_layouts.watch(chunk, styles, tp_mesh, source)
     return chunks
 
 
@@ -157,11 +186,14 @@ def read_plan(path: str | Path) -> dict[str, str]:
 
 
 def _check_styles(plan: Plan, source: str) -> None:
-    unknown = sorted({style for style in plan.values() if style not in STYLES})
-    if unknown:
+    """The first pattern whose style pipeclock does not translate, refused with the style and why."""
+    for pattern, style in plan.items():
+        if style in STYLES:
+            continue
+        why = NOT_TRANSLATED.get(style, f"it knows {', '.join(STYLES)}")
         raise ValueError(
-            f"rank {comms.get_rank()}: {source} asks for {', '.join(map(repr, unknown))}, which pipeclock "
-            f"does not translate to a torch ParallelStyle (it knows {', '.join(STYLES)})"
+            f"rank {comms.get_rank()}: {source} asks for {style!r} at {pattern}, which pipeclock does not "
+            f"translate to a torch ParallelStyle ({why})"
         )
 
 
@@ -183,6 +215,12 @@ def _resolve(chunks: list[nn.Module], plan: Plan) -> Iterator[Split]:
 def _problem(split: Split, tp: int, source: str) -> str | None:
     """What is wrong with one split on this rank, or None."""
     if STYLES[split.style] is None:
+        return None
+    if split.style == "per_head":
+        weight = getattr(split.module, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.shape[0] % tp:
+            shape = None if weight is None else list(weight.shape)
+            return f"--tp {tp} does not split {split.name}'s weight {shape} by heads (per_head)"
         return None
     if not isinstance(split.module, nn.Linear | nn.Embedding):
         return (

@@ -38,4 +38,38 @@ def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str
         for size, what in ((heads, "attention heads"), (kv_heads, "key/value heads")):
             if isinstance(size, int) and size % tp:
                 raise ValueError(f"--tp {tp} does not divide the model's {size} {what}")
-    return dict(meta_model(config).tp_plan)
+    model = meta_model(config)
+    return dict(model.tp_plan) | _per_head_norms(model, config) | _scalar_weights(model)
+
+
+def _per_head_norms(model, config) -> dict[str, str]:
+    """A norm with a weight per head (``[heads, head_dim]``, Cohere's ``use_qk_norm``) that the plan
+    leaves whole, inside an attention it splits: split with its heads (``per_head``), one pattern for
+    every layer. Left whole, it would meet a rank's share of the heads with all of theirs."""
+    heads = {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)}
+    found = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not name.endswith(("q_norm", "k_norm")) or weight is None or weight.dim() != 2:
+            continue
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if weight.shape[0] in heads and pattern not in model.tp_plan:
+            found[pattern] = "per_head"
+    return found
+
+
+def _scalar_weights(model) -> dict[str, str]:
+    """A module inside a split block whose weights are all scalars (Apertus' learned activation, xIELU),
+    which the plan leaves whole: on each rank's slice it works as on the whole, and its gradient is each
+    rank's part, to be summed (``replicated_with_grad_allreduce``)."""
+    split = [p for p, style in model.tp_plan.items() if style in ("colwise", "rowwise")]
+    parents = {p.rsplit(".", 1)[0] for p in split if "." in p}
+    found = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if not own or any(p.numel() != 1 for p in own) or pattern in model.tp_plan:
+            continue
+        if "." in pattern and pattern.rsplit(".", 1)[0] in parents:
+            found[pattern] = "replicated_with_grad_allreduce"
+    return found
