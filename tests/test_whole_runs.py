@@ -1,0 +1,119 @@
+"""Every schedule runs the main job to its last line, on every layout, with one process's losses.
+
+``python -m pipeclock train`` with each schedule, on the GPT and on a Hugging Face Llama (grouped-query
+attention, rotary positions), at pp 2 and at pp 2 x tp 2: the run trains its steps, validates after the
+last one, saves its checkpoint, prints its summary and ends on ``final loss``; every step's loss and the
+validation's equal the one-process run's (rel 1e-5). The steps of each schedule and layout are held to
+one process's gradients elsewhere (tests/test_pipeline_matrix.py, tests/test_tensor_parallel.py); what
+is held here is what runs around them: the validation (a forward-only program of its own), the
+checkpoint, the summary.
+
+Each layout is one launch: its ranks run the command once per (model, schedule), each run in a process
+group of its own, as torchrun would start them one after the other.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from pipeclock.engine.generators import SCHEDULES
+from tests.distributed import Printed, command, free_port, start_ranks
+
+TOLERANCE = 1e-5
+STEPS = 2
+COMMON = ["--seq-len", "16", "--batch-size", "8", "--microbatches", "4", "--steps", str(STEPS),
+          "--eval-batches", "2", "--eval-every", "0", "--lr", "0.01"]  # fmt: skip
+GPT = ["--model", "gpt", "--dim", "16", "--layers", "4", "--heads", "2"]
+LAYOUTS = {"pp 2": (2, []), "pp 2 x tp 2": (4, ["--tp", "2"])}
+
+
+def each_run(rank: int, world: int, ports: list[int], runs: list[list[str]]) -> list[Printed]:
+    """``python -m pipeclock ARGV`` for each of ``runs`` in turn. The command leaves its process group at
+    its end, so each run after the first joins a new one, on a port of its own."""
+    said = []
+    for port, argv in zip(ports, runs, strict=True):
+        if not dist.is_initialized():
+            os.environ["MASTER_PORT"] = str(port)
+        said.append(command(rank, world, argv))
+    return said
+
+
+def launch(world: int, runs: list[list[str]]) -> list[str]:
+    """Rank 0's output of each run, after asserting that every rank ended each run with exit code 0."""
+    ports = [free_port() for _ in runs]
+    per_rank = start_ranks(each_run, world, ports, runs, deadline=600).values()
+    for index, argv in enumerate(runs):
+        ends = [said[index] for said in per_rank]
+        assert all(end.code == 0 for end in ends), (argv, [(end.code, end.err) for end in ends])
+    return [end.out for end in per_rank[0]]
+
+
+def models(root: Path) -> dict[str, list[str]]:
+    """Each model's flags; the Llama (where transformers is installed) has its config written under
+    ``root``: a config alone, its weights made from (seed, parameter name)."""
+    if importlib.util.find_spec("transformers") is None:
+        return {"gpt": GPT}
+    from tests.hf_cases import llama_config
+
+    llama = root / "llama.json"
+    llama_config(layers=4).to_json_file(str(llama))
+    return {"gpt": GPT, "llama": ["--model", "hf", "--hf-config", str(llama)]}
+
+
+def argv(root: Path, name: str, flags: list[str], extra: list[str]) -> list[str]:
+    """The run's command line; its losses and checkpoint go under ``root / name``."""
+    out = root / name
+    return ["train", *flags, *COMMON, *extra, "--losses", str(out / "losses.json"),
+            "--checkpoint-dir", str(out / "ckpt")]  # fmt: skip
+
+
+def losses(root: Path, name: str) -> tuple[list[float], list[list[float]]]:
+    saved = json.loads((root / name / "losses.json").read_text())
+    return saved["losses"], saved["validation"]
+
+
+def gap(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want), (got, want)
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where every run writes, with the one-process runs of both models done (one launch)."""
+    root = tmp_path_factory.mktemp("whole_runs")
+    launch(1, [argv(root, f"one {model}", flags, []) for model, flags in models(root).items()])
+    return root
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_schedule_runs_train_to_its_last_line_with_one_process_losses(root, layout):
+    world, extra = LAYOUTS[layout]
+    runs = {
+        (model, schedule): argv(root, f"{layout} {model} {schedule}", flags, ["--schedule", schedule, *extra])
+        for model, flags in models(root).items()
+        for schedule in SCHEDULES
+    }
+    said = dict(zip(runs, launch(world, list(runs.values())), strict=True))
+    for (model, schedule), out in said.items():
+        name = f"{layout} {model} {schedule}"
+        lines = out.splitlines()
+        assert lines[0].startswith(f"pipeclock train: {schedule},"), (name, lines[0])
+        assert re.search(rf"^  after +{STEPS} steps +[\d.]+ nats/token", out, re.M), (name, out)
+        assert "step time" in out and "bubble" in out, (name, out)  # the summary
+        assert re.fullmatch(rf"final loss [\d.]+ after {STEPS} steps", lines[-1]), (name, lines[-1])
+        assert any((root / name / "ckpt").iterdir()), name
+        want_steps, want_validation = losses(root, f"one {model}")
+        got_steps, got_validation = losses(root, name)
+        assert gap(got_steps, want_steps) <= TOLERANCE, (name, got_steps, want_steps)
+        assert [steps for steps, _ in got_validation] == [steps for steps, _ in want_validation] == [STEPS]
+        validation = [loss for _, loss in got_validation]
+        assert gap(validation, [loss for _, loss in want_validation]) <= TOLERANCE, (name, validation)
