@@ -29,7 +29,7 @@ from tests.distributed import Printed, command, free_port, start_ranks
 TOLERANCE = 1e-5
 STEPS = 2
 COMMON = ["--seq-len", "16", "--batch-size", "8", "--microbatches", "4", "--steps", str(STEPS),
-          "--eval-batches", "2", "--eval-every", "0", "--lr", "0.01"]  # fmt: skip
+          "--eval-batches", "2", "--eval-every", "0", "--lr", "0.01", "--timeout", "30"]  # fmt: skip
 GPT = ["--model", "gpt", "--dim", "16", "--layers", "4", "--heads", "2"]
 LAYOUTS = {"pp 2": (2, []), "pp 2 x tp 2": (4, ["--tp", "2"])}
 
@@ -51,7 +51,7 @@ def launch(world: int, runs: list[list[str]]) -> list[str]:
     per_rank = start_ranks(each_run, world, ports, runs, deadline=600).values()
     for index, argv in enumerate(runs):
         ends = [said[index] for said in per_rank]
-        assert all(end.code == 0 for end in ends), (argv, [(end.code, end.err) for end in ends])
+        assert all(end.code == 0 for end in ends), (" ".join(argv), [(end.code, end.err) for end in ends])
     return [end.out for end in per_rank[0]]
 
 
