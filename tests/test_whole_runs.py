@@ -6,7 +6,8 @@ last one, saves its checkpoint, prints its summary and ends on ``final loss``; e
 validation's equal the one-process run's (rel 1e-5). The steps of each schedule and layout are held to
 one process's gradients elsewhere (tests/test_pipeline_matrix.py, tests/test_tensor_parallel.py); what
 is held here is what runs around them: the validation (a forward-only program of its own), the
-checkpoint, the summary.
+checkpoint, the summary. A V with replicas (dp 2 x pp 2, FSDP2 and DDP), whose rank 0 holds two copies
+of the GPT's tied weight, saves and resumes: the resumed step is one process's.
 
 Each layout is one launch: its ranks run the command once per (model, schedule), each run in a process
 group of its own, as torchrun would start them one after the other.
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from pipeclock.engine.generators import SCHEDULES
+from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
 from tests.distributed import Printed, command, free_port, start_ranks
 
 TOLERANCE = 1e-5
@@ -74,6 +75,11 @@ def argv(root: Path, name: str, flags: list[str], extra: list[str]) -> list[str]
             "--checkpoint-dir", str(out / "ckpt")]  # fmt: skip
 
 
+def with_steps(command_line: list[str], steps: int) -> list[str]:
+    at = command_line.index("--steps")
+    return [*command_line[: at + 1], str(steps), *command_line[at + 2 :]]
+
+
 def losses(root: Path, name: str) -> tuple[list[float], list[list[float]]]:
     saved = json.loads((root / name / "losses.json").read_text())
     return saved["losses"], saved["validation"]
@@ -88,7 +94,8 @@ def gap(got: list[float], want: list[float]) -> float:
 def root(tmp_path_factory) -> Path:
     """Where every run writes, with the one-process runs of both models done (one launch)."""
     root = tmp_path_factory.mktemp("whole_runs")
-    launch(1, [argv(root, f"one {model}", flags, []) for model, flags in models(root).items()])
+    runs = [argv(root, f"one {model}", flags, []) for model, flags in models(root).items()]
+    launch(1, [*runs, with_steps(argv(root, "one gpt longer", GPT, []), STEPS + 1)])
     return root
 
 
@@ -117,3 +124,26 @@ def test_every_schedule_runs_train_to_its_last_line_with_one_process_losses(root
         assert [steps for steps, _ in got_validation] == [steps for steps, _ in want_validation] == [STEPS]
         validation = [loss for _, loss in got_validation]
         assert gap(validation, [loss for _, loss in want_validation]) <= TOLERANCE, (name, validation)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_v_with_replicas_saves_its_tied_weight_once_and_resumes_with_one_process_losses(root):
+    """A V holds the GPT's embedding and its tied head on one rank; with replicas each chunk owns a copy.
+    Saved, the weight is named once; resumed, both copies take it: the next step is one process's."""
+    cases = [(engine, schedule) for engine in ("fsdp", "ddp") for schedule in V_SCHEDULES]
+    runs = []
+    for engine, schedule in cases:
+        flags = ["--schedule", schedule, "--dp", "2", "--data-parallel", engine]
+        saved = root / f"dp {engine} {schedule}"
+        runs.append(argv(root, saved.name, GPT, flags))
+        then = argv(root, f"resumed {engine} {schedule}", GPT, [*flags, "--resume", str(saved / "ckpt")])
+        runs.append(with_steps(then, STEPS + 1))
+    launch(4, runs)
+    want, _ = losses(root, "one gpt longer")
+    for engine, schedule in cases:
+        got, _ = losses(root, f"dp {engine} {schedule}")
+        assert gap(got, want[:STEPS]) <= TOLERANCE, (engine, schedule, got, want)
+        resumed = json.loads((root / f"resumed {engine} {schedule}" / "losses.json").read_text())
+        assert resumed["first_step"] == STEPS, (engine, schedule, resumed)
+        assert gap(resumed["losses"], want[STEPS:]) <= TOLERANCE, (engine, schedule, resumed, want)
