@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
 from tests.distributed import Printed, command, free_port, start_ranks
@@ -37,31 +36,37 @@ GPT = ["--model", "gpt", "--dim", "16", "--layers", "4", "--heads", "2"]
 LAYOUTS = {"pp 2": (2, []), "pp 2 x tp 2": (4, ["--tp", "2"])}
 
 
-def each_run(rank: int, world: int, ports: list[int], runs: list[list[str]], ended: str) -> list[Printed]:
+def each_run(rank: int, world: int, runs: list[list[str]], ended: str) -> list[Printed]:
     """``python -m pipeclock ARGV`` for each of ``runs`` in turn. The command leaves its process group at
-    its end, so each run after the first joins a new one, on a port of its own, hosted by rank 0. Rank 0
-    ends a run last (it prints the summary); it marks each end in the folder ``ended``, and the others
-    start the next run after that mark, so no rank waits for rank 0's store longer than for a peer."""
+    its end, so each run after the first joins a new one, whose store rank 0 hosts. Rank 0 ends a run
+    last (it prints the summary); it then picks the next run's port and writes it to a file in ``ended``,
+    and the others start the next run once they read it: no rank waits for a store not yet there, and a
+    port is taken just before its use (other processes on the machine pick ports too)."""
     said = []
-    for index, (port, argv) in enumerate(zip(ports, runs, strict=True)):
-        mark = Path(ended, str(index))
-        if not dist.is_initialized():
-            os.environ["MASTER_PORT"] = str(port)
+    for index, argv in enumerate(runs):
+        if index:
+            os.environ["MASTER_PORT"] = _next_port(rank, Path(ended, str(index)))
         try:
             said.append(command(rank, world, argv))
-        finally:  # a rank 0 that raised lets the others go on, to find no store and say so
-            if rank == 0:
-                mark.touch()
-        while not mark.exists():  # bounded by the launch's deadline
-            time.sleep(0.05)
+        finally:  # a rank 0 that raised still lets the others go on, to find no store and say so
+            if rank == 0 and index + 1 < len(runs):
+                announced = Path(ended, f"{index + 1}.partial")
+                announced.write_text(str(free_port()))
+                announced.rename(Path(ended, str(index + 1)))
     return said
+
+
+def _next_port(rank: int, announced: Path) -> str:
+    """The port rank 0 announced for the next run (the wait is bounded by the launch's deadline)."""
+    while not announced.exists():
+        time.sleep(0.05)
+    return announced.read_text()
 
 
 def launch(world: int, runs: list[list[str]]) -> list[str]:
     """Rank 0's output of each run, after asserting that every rank ended each run with exit code 0."""
-    ports = [free_port() for _ in runs]
     with tempfile.TemporaryDirectory() as ended:
-        per_rank = start_ranks(each_run, world, ports, runs, ended, deadline=540).values()
+        per_rank = start_ranks(each_run, world, runs, ended, deadline=540).values()
     for index, argv in enumerate(runs):
         ends = [said[index] for said in per_rank]
         assert all(end.code == 0 for end in ends), (" ".join(argv), [(end.code, end.err) for end in ends])
