@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # two workers on 2 quiet cores, over two runs; an order, not a promise: a stale one only costs time.)
 SLOWEST_FIRST = (
     "test_hf_families",  # ~100 s, `long`
+    "test_whole_runs",  # 76-95 s, `long` (on 2 cores under a load average of 6)
     "test_docs",  # 120 s
     "test_pipeline_matrix",  # 85-100 s
     "test_faults",  # 55-77 s

@@ -1,8 +1,9 @@
 """The step as a program: what a lowered schedule says each rank sends, receives and computes.
 
 Every program of every schedule matches each send with one receive between the right ranks, finishes
-when simulated, and keeps each rank's compute actions in the schedule's order; with free messages each
-compute starts as soon as its rank is free and its inputs are computed. Saved in torch's ``compute_comms``
+when simulated, and keeps each rank's compute actions in the schedule's order (an evaluation's, the
+forwards alone, in (micro-batch, stage) order); with free messages each compute starts as soon as its
+rank is free and its inputs are computed. Saved in torch's ``compute_comms``
 format it reads back as the same program, and torch's own checker (``_simulate_comms_compute``) finds
 no deadlock in it. A file whose messages do not match, or that would wait for ever, is refused naming
 the rank and the cell.
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from pipeclock.engine import program
-from pipeclock.engine.actions import Action, Schedule, dependencies, placement_of
+from pipeclock.engine.actions import Action, Schedule, dependencies, forward_only, placement_of
 from pipeclock.engine.csv_schedule import ScheduleFileError, load_csv, save_csv
 from pipeclock.engine.generators import SCHEDULES, chunks_of, generate
 from pipeclock.engine.program_run import simulate_program
@@ -57,6 +58,29 @@ def test_every_program_matches_each_send_with_one_receive_and_finishes(name, p, 
             assert [i.kind for i in before_agree] == ["SIZES"]
         reduced = [i.stage for i in rank_program if i.kind == "REDUCE_GRAD"]
         assert sorted(reduced) == (sorted(placement_of(table).stages[rank]) if replicas else [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    p=st.integers(1, 8),
+    m=st.integers(1, 16),
+    replicas=st.booleans(),
+)
+def test_every_evaluation_program_runs_each_micro_batch_through_the_stages_in_order_and_finishes(
+    name, p, m, replicas
+):
+    """DualPipeV's F&B marks, kept on the forwards alone, once paired two forwards of a V and hung."""
+    table = generate(name, p, m, chunks_for(name))
+    placement = placement_of(table)
+    programs = program.lower(forward_only(table), replicas=replicas)
+    program.check(programs)
+    simulate_program(programs, compute_cost, latency=0.5)
+    for rank, rank_program in enumerate(programs):
+        computes = [i.action for i in rank_program if i.is_compute]
+        order = [(a.microbatch, placement.stage(rank, a.chunk)) for a in computes]
+        assert order == sorted((mb, stage) for mb in range(m) for stage in placement.stages[rank])
+        assert {a.op for a in computes} == {"F"} and not any(a.overlap for a in computes)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

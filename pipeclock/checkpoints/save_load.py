@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from pipeclock import comms
 from pipeclock.checkpoints import choice, integrity
 from pipeclock.checkpoints.choice import CheckpointError
+from pipeclock.checkpoints.tied_copies import first_copies_only, restore_second_copies
 from pipeclock.engine import faults
 from pipeclock.engine.ties import tie_key
 from pipeclock.models.registry import full_model
@@ -86,7 +87,7 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
         partial.parent.mkdir(parents=True, exist_ok=True)
     comms.barrier(f"preparing {partial}")
-    with _explained(f"saving {partial}"):
+    with _explained(f"saving {partial}"), first_copies_only(modules, optimizer):
         dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
     faults.point("save", position.step)
     # DCP's save returns after every rank reported its file written and rank 0 wrote the metadata, so
@@ -147,13 +148,19 @@ def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch
     Works whatever the number of stages that saved it: only the keys of this rank's layers are read.
     """
     faults.point("resume", choice.step_of(path))
-    state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
-    with _explained(f"loading {path}"):
-        dcp.load(state, checkpoint_id=path)
-    view = GlobalView(modules)
-    set_state_dict(
-        view, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
-    )
+    with first_copies_only(modules, optimizer) as copies:
+        state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
+        with _explained(f"loading {path}"):
+            dcp.load(state, checkpoint_id=path)
+        view = GlobalView(modules)
+        set_state_dict(
+            view,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_OPTIONS,
+        )
+    restore_second_copies(copies, optimizer)
     _set_rng(state["rng"])
     progress = state["progress"]
     return Position(progress["step"], progress["loss"], progress["data_position"])

@@ -134,6 +134,26 @@ def join_first_stage_backwards(schedule: list[list[Action]]) -> Schedule:
     return Schedule(rows, getattr(schedule, "placement", None))
 
 
+def forward_only(schedule: list[list[Action]]) -> Schedule:
+    """Every rank's forwards of ``schedule`` in (micro-batch, virtual stage) order, with its placement:
+    what an evaluation runs.
+
+    The forwards are plain actions: an ``overlap`` mark pairs a forward with the backward after it,
+    and without backwards it would pair two forwards instead, the second of which may need what the
+    other rank sends only after the first (a deadlock in a V, where both stages of a rank lie on
+    every micro-batch's path).
+    """
+    placement = placement_of(schedule)
+    rows = [
+        sorted(
+            (Action("F", a.microbatch, a.chunk) for a in actions if a.op == "F"),
+            key=lambda a, rank=rank: (a.microbatch, placement.stage(rank, a.chunk)),
+        )
+        for rank, actions in enumerate(schedule)
+    ]
+    return Schedule(rows, getattr(schedule, "placement", None))
+
+
 def gradient_ready(microbatch: int, chunk: int) -> Action:
     """The event "the gradient of this chunk's input exists": what a ``B`` or an ``I`` produces."""
     return Action("B", microbatch, chunk)

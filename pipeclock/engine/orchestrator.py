@@ -32,7 +32,14 @@ from torch import nn
 from pipeclock import comms
 from pipeclock.engine import faults, pytree
 from pipeclock.engine.action_clock import clock_for
-from pipeclock.engine.actions import Action, Schedule, join_first_stage_backwards, placement_of, validate
+from pipeclock.engine.actions import (
+    Action,
+    Schedule,
+    forward_only,
+    join_first_stage_backwards,
+    placement_of,
+    validate,
+)
 from pipeclock.engine.backward import ParameterOutputs
 from pipeclock.engine.generators import Generator, generate
 from pipeclock.engine.limits import MAX_MICROBATCHES
@@ -135,8 +142,6 @@ class Pipeline:
         self._fingerprint = zlib.crc32(repr((self.table, self.placement.stages)).encode())
         self.loss_fn = loss_fn
         self.actions = self.table[self.rank]
-        # evaluation: every forward in (micro-batch, stage) order, an order every rank agrees on
-        self.forward_actions = sorted((a for a in self.actions if a.op == "F"), key=self._forward_order)
         self.num_virtual = self.placement.num_virtual
         self.first_rank = self.placement.owner(0)[0]
         self.last_rank = self.placement.owner(self.num_virtual - 1)[0]
@@ -161,8 +166,8 @@ class Pipeline:
             if written
             else lower(self.table, replicas=replicated, ties=True)
         )
-        evaluation = [sorted((a for a in row if a.op == "F"), key=self._forward_order) for row in self.table]
-        self.evaluation_programs = lower(evaluation, placement=self.placement, replicas=replicated)
+        evaluation = forward_only(Schedule(self.table, self.placement))
+        self.evaluation_programs = lower(evaluation, replicas=replicated)
         self.ends = StepEnds(self.rank, self.peers, self.first_rank, self.last_rank, self.device)
         self._configuration_agreed = False
         _warn_about_batch_norm(self.global_rank, self.chunks)
@@ -219,10 +224,6 @@ class Pipeline:
         """For each chunk, the action after which its gradients are complete for the step."""
         weights = "BW" if self.replicas.split_backward else "BI"
         return {a.chunk: a for a in self.actions if a.op in weights}
-
-    def _forward_order(self, action: Action) -> tuple[int, int]:
-        """Evaluation runs each micro-batch through the stages in pipeline order, on every rank alike."""
-        return action.microbatch, self.placement.stage(self.rank, action.chunk)
 
     # --- one training step -----------------------------------------------------------------------------
 

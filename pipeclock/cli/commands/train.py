@@ -247,7 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--losses", metavar="FILE",
-        help='write the loss of every step this run did as JSON: {"first_step": s, "losses": [...]}',
+        help='write the loss of every step this run did as JSON: {"first_step": s, "losses": [...], '
+        '"validation": [[steps done, loss], ...]}',
     )  # fmt: skip
     logs = parser.add_argument_group("metrics a team can watch (rank 0 writes them)")
     logs.add_argument(
@@ -405,7 +406,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, steps: Step
     if not boss:
         return 0
     if args.losses:
-        _write_losses(args.losses, result.first_step, result.losses)
+        _write_losses(args.losses, result.first_step, result.losses, result.validation)
     if not result.losses:
         print(f"nothing to train: the checkpoint is at step {result.first_step}, --steps is {config.steps}")
         print(f"final loss {result.final_loss:.6f} after {result.first_step} steps", flush=True)
@@ -443,10 +444,14 @@ def _resolved(args: argparse.Namespace, config: TrainConfig) -> str:
     return config_file.resolved_toml(parser, args, config.settings())
 
 
-def _write_losses(path: str, first_step: int, losses: list[float]) -> None:
-    """Exact values (JSON keeps a float's every digit), so runs can be compared bit for bit."""
+def _write_losses(
+    path: str, first_step: int, losses: list[float], validation: list[tuple[int, float]]
+) -> None:
+    """Exact values (JSON keeps a float's every digit), so runs can be compared bit for bit: the steps'
+    losses, and each validation's (steps done, loss)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"first_step": first_step, "losses": losses}) + "\n")
+    saved = {"first_step": first_step, "losses": losses, "validation": [list(v) for v in validation]}
+    Path(path).write_text(json.dumps(saved) + "\n")
 
 
 def restart_warning(env: dict[str, str]) -> str | None:
