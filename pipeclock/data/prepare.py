@@ -31,7 +31,7 @@ from pipeclock.data.tokenizer import PrepareTokenizer
 FORMAT = "pipeclock-tokens"
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
-BATCH_BYTES = 1 << 22  # the text handed to a worker at a time
+BATCH_BYTES = 1 << 20  # the text handed to a worker at a time
 
 
 class PrepareError(ValueError):

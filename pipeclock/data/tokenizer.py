@@ -63,8 +63,8 @@ class PrepareTokenizer:
         if self._tokenizer is None:
             ids = [np.frombuffer(data, dtype=np.uint8) for data in encoded]
         else:
-            found = self._tokenizer(texts, add_special_tokens=False)["input_ids"]
-            ids = [np.asarray(one, dtype=np.uint32) for one in found]
+            found = self._tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            ids = [np.asarray(one.ids, dtype=np.uint32) for one in found]
         return ids, [len(data) for data in encoded]
 
     def identity(self) -> dict:
@@ -89,10 +89,16 @@ def _load(directory: Path):
 
     logging.disable_progress_bar()
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TokenizerError(f"--tokenizer {directory}: cannot be read: {first}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise TokenizerError(
+            f"--tokenizer {directory}: {type(tokenizer).__name__} is not a fast tokenizer (the tokenizers "
+            "library's, saved as tokenizer.json), which prepare needs"
+        )
+    return tokenizer
 
 
 def _end_of_text(tokenizer, spec: str) -> int:
