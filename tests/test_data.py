@@ -77,6 +77,17 @@ def test_validation_windows_are_fixed_disjoint_and_in_the_validation_split(prepa
     )
 
 
+def test_a_prepared_folder_of_uint32_reads_the_same_stream(prepared, tmp_path):
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    meta = json.loads((prepared / "dataset.json").read_text())
+    for path in prepared.glob("*.bin"):
+        np.fromfile(path, dtype="<u2").astype("<u4").tofile(wide / path.name)
+    (wide / "dataset.json").write_text(json.dumps({**meta, "dtype": "uint32"}))
+    narrow, data = TokenDataset(prepared), TokenDataset(wide)
+    assert data.dtype == "uint32" and torch.equal(data.batch(3, 8, SEQ)[0], narrow.batch(3, 8, SEQ)[0])
+
+
 def nanogpt_folder(folder, dtype: str, vocabulary: int):
     folder.mkdir()
     generator = np.random.default_rng(0)

@@ -12,7 +12,7 @@ import pytest
 
 from pipeclock import cli
 from pipeclock.data import documents as documents_module
-from pipeclock.data.prepare import is_validation, prepare
+from pipeclock.data.prepare import dtype_for, is_validation, prepare
 from pipeclock.data.tokenizer import files_sha256
 from tests.token_cases import EOT_TEXT, bpe_tokenizer, documents, split_tokens, write_jsonl
 
@@ -55,9 +55,13 @@ def test_bytes_from_txt_folder_jsonl_and_parquet_are_the_documents_and_separator
     assert meta["splits"]["val"]["bytes"] == sum(len(t.encode()) for t in val)
 
 
-def test_a_bpe_tokenizer_round_trips_and_is_recorded_by_its_files(tmp_path):
-    texts = documents(40)
-    tokenizer = bpe_tokenizer(tmp_path / "tok", texts)
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return bpe_tokenizer(tmp_path_factory.mktemp("bpe") / "tok", documents(40))
+
+
+def test_a_bpe_tokenizer_round_trips_and_is_recorded_by_its_files(tmp_path, bpe):
+    texts, tokenizer = documents(40), bpe
     meta = prepare([str(write_jsonl(tmp_path / "d.jsonl", texts))], tmp_path / "out", str(tokenizer),
                    validation_fraction=0.2)  # fmt: skip
     from transformers import AutoTokenizer
@@ -113,6 +117,24 @@ def test_the_command_prints_what_it_wrote(tmp_path):
     assert code == 0, err
     assert "bytes tokens, vocabulary 257 (uint16), end-of-text id 256" in out
     assert "MB/s" in out and (tmp_path / "out" / "dataset.json").is_file()
+
+
+def test_a_vocabulary_past_65536_takes_uint32():
+    assert [dtype_for(n) for n in (257, 65_536, 65_537, 128_256)] == ["uint16", "uint16", "uint32", "uint32"]
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path, bpe):
+    copy = tmp_path / "no_eos"
+    copy.mkdir()
+    for path in bpe.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    code, _, err = prepare_command(str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"),
+                                   "--tokenizer", str(copy))  # fmt: skip
+    assert code == 2 and "it has no end-of-text token (eos_token)" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
