@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeclock.models.hf.tokens import TOKENIZER_FILES, has_tokenizer
-
+# Any of these in a directory means it holds a tokenizer (as ``models.hf.tokens`` reads it, whose package
+# would import torch, which ``prepare`` does without).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 BYTES = "bytes"
 BYTES_EOT = 256
 # The files that make up a tokenizer (not a model's weights beside it): hashed into its identity.
@@ -47,7 +48,7 @@ class PrepareTokenizer:
             raise TokenizerError(
                 f"--tokenizer {spec}: not a directory (give a tokenizer directory or 'bytes')"
             )
-        if not has_tokenizer(directory):
+        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
             raise TokenizerError(
                 f"--tokenizer {spec}: no tokenizer files in it (looked for {', '.join(TOKENIZER_FILES)})"
             )
