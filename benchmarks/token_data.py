@@ -2,6 +2,7 @@
 
     python -m benchmarks.token_data prepare SIZE_MB [--tokenizer DIR|bytes]   # a jsonl of stdlib sources
     python -m benchmarks.token_data batches                                   # batch fetch, shards vs memory
+    python -m benchmarks.token_data steps                                     # a GPT step, the same
 
 ``prepare`` runs the command on a jsonl of the standard library's sources repeated to SIZE_MB (one
 document per file per round), sampling the process tree every 0.1 s: wall time, CPU seconds and the
@@ -13,6 +14,7 @@ default corpus in memory and from the same text prepared as bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -96,6 +98,34 @@ def batches_run(repeats: int = 200) -> None:
             )
 
 
+def steps_run(steps: int = 20, rounds: int = 4) -> None:
+    """The GPT's default run, one process: the time from one step's end to the next's (batch read, step,
+    optimizer), from the corpus in memory and from the same files as shards, in alternating rounds; the
+    fastest step is the figure a busy machine disturbs least."""
+    import statistics
+
+    from pipeclock import comms
+    from pipeclock.data.prepare import prepare
+    from pipeclock.models.text import TextCorpus
+    from pipeclock.training.loop import TrainConfig, train
+
+    corpus = TextCorpus.default()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with tempfile.TemporaryDirectory() as scratch:
+        prepare([str(stdlib / name) for name in corpus.files], Path(scratch) / "out", validation_fraction=0.1)
+        found: dict[str, list[float]] = {"in memory": [], "shards": []}
+        for _ in range(rounds):
+            for name, data in (("in memory", None), ("shards", f"{scratch}/out")):
+                ends: list[float] = []
+                config = TrainConfig(model="gpt", steps=steps, eval_every=0, eval_batches=1, data=data)
+                train(config, on_step=lambda step, loss, ends=ends: ends.append(time.perf_counter()))
+                found[name] += [b - a for a, b in itertools.pairwise(ends[1:])]
+        comms.shutdown()
+    for name, seconds in found.items():
+        print(f"GPT step, batch read included, {name}: fastest {min(seconds) * 1e3:.1f} ms, median "
+              f"{statistics.median(seconds) * 1e3:.1f} ms over {len(seconds)} steps")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -104,11 +134,14 @@ def main() -> None:
     run.add_argument("--tokenizer", default="bytes")
     run.add_argument("--workers", type=int, default=2)
     commands.add_parser("batches")
+    commands.add_parser("steps")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare_run(args.megabytes, args.tokenizer, args.workers)
-    else:
+    elif args.command == "batches":
         batches_run()
+    else:
+        steps_run()
 
 
 if __name__ == "__main__":
