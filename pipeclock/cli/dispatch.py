@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "bench": "compare pipeclock with torch.distributed.pipelining and one process",
     "export": "write one plain state_dict for the whole model from a checkpoint",
     "generate": "text from a checkpoint of train --model gpt, on one process or across stages",
+    "prepare": "tokenize documents (text, .jsonl, .parquet) into token shards for train --data DIR",
     "plan": "will a model fit: memory per rank and step time for each schedule, stages, micro-batches",
     "docs": "regenerate the course's figures and outputs",
 }

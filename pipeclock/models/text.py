@@ -159,8 +159,9 @@ class TextCorpus:
                     f"{seq_len + 1}"
                 )
 
-    def batch(self, step: int, size: int, seq_len: int, seed: int = 0) -> Batch:
-        """Training batch ``step``: ``size`` random train windows, drawn from (seed, step) alone.
+    def batch(self, step: int, size: int, seq_len: int, seed: int = 0, rows: slice = slice(None)) -> Batch:
+        """Training batch ``step``: ``size`` random train windows, drawn from (seed, step) alone (``rows``
+        of them: a replica's share).
 
         Depending on nothing but (seed, step) makes batch k the same in every run, so a run resumed from a
         checkpoint at step k sees exactly the data the uninterrupted run would have.
@@ -169,7 +170,7 @@ class TextCorpus:
         generator = torch.Generator().manual_seed(_mix(seed, step))
         last_start = self.train.numel() - (seq_len + 1)
         offsets = torch.randint(0, last_start + 1, (size,), generator=generator)
-        return _windows(self.train, offsets, seq_len)
+        return _windows(self.train, offsets[rows], seq_len)
 
     def validation_batches(self, size: int, seq_len: int, max_batches: int) -> list[Batch]:
         """Fixed, non-overlapping validation windows, evenly spread over the split, ``size`` per batch.

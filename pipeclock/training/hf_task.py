@@ -4,6 +4,8 @@ The model comes from ``--hf-config PATH`` (a ``config.json`` or a directory hold
 weights from ``--seed``) or ``--hf-model DIR`` (a local ``from_pretrained`` directory: its weights, each
 rank reading only its own tensors). Nothing is downloaded. The corpus is read in the tokens of DIR's own
 tokenizer when it has one, else as bytes, for which the model's vocabulary must have at least 256 entries.
+A token folder (``prepare``'s, or nanoGPT's) is read as its tokens, and the model's vocabulary must
+cover the dataset's: checked before the first step.
 The loss is HF's ``labels=`` loss (the labels are the inputs, shifted inside the loss); validation is in
 bits per byte as for the GPT (nats per token over the validation text's bytes per token).
 """
@@ -14,8 +16,9 @@ from pathlib import Path
 
 from torch import nn
 
+from pipeclock.data.tokens import is_token_folder
 from pipeclock.engine.placement import Placement
-from pipeclock.models.text import bigram_bits_per_byte, bits_per_byte
+from pipeclock.models.text import bigram_bits_per_byte
 from pipeclock.parallel.tensor_parallel import read_plan
 from pipeclock.training.tasks import LanguageTask
 
@@ -51,10 +54,14 @@ class HFTask(LanguageTask):
         self.layout = hf.layout_of(self.hf_config, self.trusted)
         given = config.hf_model and has_tokenizer(self.source)
         self.tokens = Tokens(self.source) if given else None
-        self._check_fits(config)
+        token_data = is_token_folder(config.data)
+        self._check_fits(config, token_data)
         super().__init__(config)
-        self.bytes = self.corpus  # the bigram baseline reads the text as bytes
-        if self.tokens is not None:
+        self.bytes = None if token_data else self.corpus  # the bigram baseline reads the text as bytes
+        if token_data:
+            self._check_dataset_vocabulary()
+            self.tokens = self.tokens or _dataset_tokens(self.corpus)
+        elif self.tokens is not None:
             self.corpus = self.corpus.tokenized(self.tokens.encode, self.tokens.name)
             self.corpus.check_fits(config.seq_len)
             self.validation = self.corpus.validation_batches(
@@ -63,16 +70,27 @@ class HFTask(LanguageTask):
         self.loss_fn = hf.loss(self.hf_config)
         self.validation = [(inputs, inputs) for inputs, _ in self.validation]  # HF's loss shifts them
 
-    def _check_fits(self, config) -> None:
+    def _check_dataset_vocabulary(self) -> None:
+        """The model's vocabulary must hold every id of the dataset's (or bound a nanoGPT folder's)."""
+        vocabulary, data = self.hf_config.vocab_size, self.corpus
+        if data.vocab_size is None:
+            data.bound(vocabulary)
+        elif data.vocab_size > vocabulary:
+            raise ValueError(
+                f"--data {data.folder}: its vocabulary of {data.vocab_size:,} ({data.tokenizer}) is larger "
+                f"than the model's {vocabulary:,} ({self.source})"
+            )
+
+    def _check_fits(self, config, token_data: bool = False) -> None:
         from pipeclock.models.hf import MIN_BYTE_VOCABULARY
 
         vocabulary = self.hf_config.vocab_size
-        if self.tokens is not None and self.tokens.vocab_size > vocabulary:
+        if self.tokens is not None and self.tokens.vocab_size > vocabulary and not token_data:
             raise ValueError(
                 f"{self.source}: its tokenizer gives {self.tokens.vocab_size} ids, more than the model's "
                 f"vocabulary of {vocabulary}"
             )
-        if self.tokens is None and vocabulary < MIN_BYTE_VOCABULARY:
+        if self.tokens is None and vocabulary < MIN_BYTE_VOCABULARY and not token_data:
             raise ValueError(
                 f"{self.source}: a vocabulary of {vocabulary} tokens cannot hold the corpus's bytes "
                 f"(at least {MIN_BYTE_VOCABULARY} are needed without a tokenizer)"
@@ -91,8 +109,8 @@ class HFTask(LanguageTask):
         )  # fmt: skip
         return chunks if isinstance(chunks, list) else [chunks]
 
-    def batch(self, step: int, size: int):
-        inputs, _ = super().batch(step, size)
+    def batch(self, step: int, size: int, rows: slice = slice(None)):
+        inputs, _ = super().batch(step, size, rows)
         return inputs, inputs
 
     def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
@@ -102,14 +120,13 @@ class HFTask(LanguageTask):
         given = read_plan(self.config.tp_plan) if self.config.tp_plan else None
         return hf.tp_plan(self.hf_config, tp, given)
 
-    def bits_per_byte(self, loss: float) -> float:
-        """Nats per token as bits per byte of the text: tokens of several bytes each carry their bytes'."""
-        return bits_per_byte(loss / self.corpus.validation_bytes_per_token)
-
-    def baseline_bits_per_byte(self) -> float:
+    def baseline_bits_per_byte(self) -> float | None:
         """The bigram byte model on the validation text's (byte, next byte) pairs: the GPT's windows of
         the same corpus, so both tasks print the same figure (the model's own pairs are (inputs,
-        inputs), which HF's loss shifts: scored as they are, they would pair each byte with itself)."""
+        inputs), which HF's loss shifts: scored as they are, they would pair each byte with itself).
+        None on a token folder, whose bytes are not at hand."""
+        if self.bytes is None:
+            return None
         windows = self.bytes.validation_batches(
             self.config.batch_size, self.config.seq_len, max(1, self.config.eval_batches)
         )
@@ -130,3 +147,12 @@ class HFTask(LanguageTask):
             # the model's own code stays where it was: export and generate read it from there again
             **({"trust_remote_code": str(Path(self.source).resolve())} if self.trusted else {}),
         }
+
+
+def _dataset_tokens(dataset):
+    """The tokenizer directory ``prepare`` read the dataset with, where it still is: a checkpoint names it,
+    so that ``generate`` and ``export`` speak the model's tokens; None for bytes or a nanoGPT folder."""
+    from pipeclock.models.hf.tokens import Tokens, has_tokenizer
+
+    path = dataset.tokenizer_path
+    return Tokens(path) if path and has_tokenizer(path) else None

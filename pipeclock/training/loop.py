@@ -82,7 +82,8 @@ class TrainConfig:
     heads: int = 4
     seq_len: int = 128
     dropout: float = 0.0
-    data: str | None = None  # a text file or folder; None: the Python standard library's sources
+    data: str | None = None  # a text file or folder, or a token folder; None: the standard library's sources
+    token_dtype: str | None = None  # a nanoGPT folder's uint16 (default) or uint32; a prepared one's own
     eval_every: int = 50  # validation every N steps (and after the last); 0: only after the last
     eval_batches: int = 4
     batch_size: int | None = None
@@ -243,9 +244,9 @@ def _train(config: TrainConfig, on_step, on_eval, on_begin) -> TrainResult:
     log = _run_log(config, task, start)
     for step in range(start, config.steps):
         began = time.perf_counter()
-        inputs, targets = task.batch(step, config.batch_size)
+        inputs, targets = task.batch(step, config.batch_size, shard)  # this replica's rows alone
         optimizer.zero_grad(set_to_none=True)
-        losses.append(_step(pipe, inputs[shard], targets[shard], step in timed))
+        losses.append(_step(pipe, inputs, targets, step in timed))
         check_loss(losses[-1], step)
         norms.append(_gradient_norm(pipe, config.clip_grad_norm, mesh))
         lrs.append(optimizer.param_groups[0]["lr"])  # this step's rate, set by the scheduler
@@ -496,12 +497,12 @@ class Progress:
         self,
         steps: int,
         enabled: bool,
-        per_byte: Callable[[float], float] = bits_per_byte,
+        per_byte: Callable[[float], float | None] = bits_per_byte,
         step_tokens: int = 0,
         stream=None,
     ):
-        """``per_byte``: a validation loss (nats per token) in bits per byte of the text; ``step_tokens``:
-        the tokens of a step (the bar shows tokens/s); ``stream``: where the bar goes (stderr)."""
+        """``per_byte``: a validation loss (nats per token) in bits per byte of the text (None: unknown);
+        ``step_tokens``: the tokens of a step (the bar shows tokens/s); ``stream``: where the bar goes."""
         self.steps, self.enabled, self.per_byte = steps, enabled, per_byte
         self.step_tokens, self.stream = step_tokens, stream or sys.stderr
         self.bar = None
@@ -532,8 +533,9 @@ class Progress:
     def validation(self, steps_done: int, loss: float) -> None:
         if not self.enabled:
             return
-        line = (
-            f"validation after {steps_done} steps: {loss:.4f} nats/token, {self.per_byte(loss):.3f} bits/byte"
+        per_byte = self.per_byte(loss)
+        line = f"validation after {steps_done} steps: {loss:.4f} nats/token" + (
+            f", {per_byte:.3f} bits/byte" if per_byte is not None else ""
         )
         if self.bar is not None:
             self.bar.write(line, file=self.stream)

@@ -6,7 +6,10 @@ held-out batches its validation loss is measured on.
 
 - ``RegressionTask``: ``ShardedMLP`` on the synthetic regression (mean squared error).
 - ``LanguageTask``: the GPT on real text, bytes as tokens, cross-entropy per token (nats); validation in
-  bits per byte, beside an order-1 (bigram) byte model fitted on the same training split.
+  bits per byte, beside an order-1 (bigram) byte model fitted on the same training split. On a token
+  folder (``prepare``'s, or nanoGPT's ``train.bin``/``val.bin``) its vocabulary is the dataset's, padded
+  to a multiple of 64 as nanoGPT pads GPT-2's (so tensor parallel can split it); validation is in nats
+  per token, and in bits per byte where the folder records its text's bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
+from pipeclock.data.tokens import TokenDataset, is_token_folder
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.placement import Placement
 from pipeclock.models import gpt, mlp
@@ -21,8 +25,10 @@ from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.models.mlp import ShardedMLP
 from pipeclock.models.partition import partition
 from pipeclock.models.regression import SyntheticRegression
-from pipeclock.models.text import TextCorpus, bigram_bits_per_byte, bits_per_byte
+from pipeclock.models.text import VOCAB_SIZE, TextCorpus, bigram_bits_per_byte, bits_per_byte
 from pipeclock.parallel.tensor_parallel import read_plan
+
+GPT2_VOCABULARY = 50257  # what nanoGPT's own preparations write
 
 
 class RegressionTask:
@@ -41,8 +47,9 @@ class RegressionTask:
             c.hidden, c.layers, rank, world, len(placement.stages[rank]), c.seed, placement, cut
         )
 
-    def batch(self, step: int, size: int):
-        return self.data.batch(step, size)
+    def batch(self, step: int, size: int, rows: slice = slice(None)):
+        inputs, targets = self.data.batch(step, size)
+        return inputs[rows], targets[rows]
 
     def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
         """The tensor-parallel plan for the model cut into ``num_virtual`` stages (``cut``, or by count):
@@ -65,7 +72,9 @@ class LanguageTask:
 
     def __init__(self, config):
         self.config = config
+        self.corpus = open_corpus(config)
         self.gpt = GPTConfig(
+            vocab_size=gpt_vocabulary(self.corpus),
             dim=config.dim,
             layers=config.layers,
             heads=config.heads,
@@ -73,7 +82,8 @@ class LanguageTask:
             dropout=config.dropout,
             seed=config.seed,
         )
-        self.corpus = TextCorpus.from_path(config.data) if config.data else TextCorpus.default()
+        if isinstance(self.corpus, TokenDataset) and self.corpus.vocab_size is None:
+            self.corpus.bound(self.gpt.vocab_size)  # a nanoGPT folder: the model's ids are the limit
         self.corpus.check_fits(config.seq_len)
         self.loss_fn = TokenCrossEntropy()
         self.validation = self.corpus.validation_batches(
@@ -83,8 +93,9 @@ class LanguageTask:
     def build(self, rank: int, world: int, placement: Placement, cut=None) -> list[nn.Module]:
         return GPT.for_rank(self.gpt, rank, world, len(placement.stages[rank]), placement, cut)
 
-    def batch(self, step: int, size: int):
-        return self.corpus.batch(step, size, self.config.seq_len, seed=self.config.seed)
+    def batch(self, step: int, size: int, rows: slice = slice(None)):
+        """Batch ``step`` of ``size`` samples (its ``rows``: a replica reads only its own)."""
+        return self.corpus.batch(step, size, self.config.seq_len, seed=self.config.seed, rows=rows)
 
     def tp_plan(self, tp: int, cut: list[range] | None, num_virtual: int) -> dict[str, str]:
         """``--tp-plan``'s plan, or the GPT's own; either way once ``tp`` is known to split its heads."""
@@ -98,13 +109,40 @@ class LanguageTask:
     def run_info(self) -> dict:
         return {"model": "GPT", "gpt": self.gpt.as_dict(), "corpus_sha256": self.corpus.sha256}
 
-    def baseline_bits_per_byte(self) -> float:
-        """The order-1 byte model's bits per byte on the validation batches (what the GPT must beat)."""
+    def baseline_bits_per_byte(self) -> float | None:
+        """The order-1 byte model's bits per byte on the validation batches (what the GPT must beat);
+        None on a token folder, whose bytes are not at hand."""
+        if isinstance(self.corpus, TokenDataset):
+            return None
         return bigram_bits_per_byte(self.corpus, self.validation)
 
-    def bits_per_byte(self, loss: float) -> float:
-        """A validation loss (nats per token) as bits per byte of text: a byte is a token here."""
-        return bits_per_byte(loss)
+    def bits_per_byte(self, loss: float) -> float | None:
+        """A validation loss (nats per token) as bits per byte of text: over the validation text's bytes
+        per token (1 for bytes); None where the text's bytes are not known (a nanoGPT folder)."""
+        per_token = self.corpus.validation_bytes_per_token
+        return None if per_token is None else bits_per_byte(loss / per_token)
 
     def readable(self, loss: float) -> str:
-        return f"{self.bits_per_byte(loss):.3f} bits/byte"
+        per_byte = self.bits_per_byte(loss)
+        return "" if per_byte is None else f"{per_byte:.3f} bits/byte"
+
+
+def open_corpus(config) -> TextCorpus | TokenDataset:
+    """``--data``'s text or tokens: a token folder memory-mapped, a text file or folder read, or the
+    standard library's sources."""
+    if is_token_folder(config.data):
+        return TokenDataset(config.data, config.token_dtype)
+    if config.token_dtype:
+        raise ValueError(
+            f"--token-dtype is for a folder of tokens (nanoGPT's train.bin and val.bin), not --data "
+            f"{config.data}"
+        )
+    return TextCorpus.from_path(config.data) if config.data else TextCorpus.default()
+
+
+def gpt_vocabulary(corpus: TextCorpus | TokenDataset) -> int:
+    """The GPT's vocabulary: 256 bytes for text; a token folder's, padded up to a multiple of 64 (the
+    padding ids never occur); for a nanoGPT folder without ``meta.pkl``, GPT-2's 50,257 so padded."""
+    if not isinstance(corpus, TokenDataset):
+        return VOCAB_SIZE
+    return -(-(corpus.vocab_size or GPT2_VOCABULARY) // 64) * 64

@@ -137,7 +137,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=probability, default=defaults.dropout, help="the GPT's dropout")
     parser.add_argument(
         "--data", metavar="PATH",
-        help="a text file or folder for the GPT (default: the Python standard library's own sources)",
+        help="a text file or folder for the GPT (default: the Python standard library's own sources), or a "
+        "folder of tokens read memory-mapped: one `pipeclock prepare` wrote (dataset.json), or nanoGPT's "
+        "train.bin and val.bin (its meta.pkl's vocab_size, if any); batch k is windows of the token stream "
+        "drawn from (--seed, k) alone",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-dtype", choices=["uint16", "uint32"], metavar="uint16|uint32",
+        help="the ids' type in nanoGPT's train.bin and val.bin (default uint16); a prepared folder's "
+        "dataset.json says its own, which this must match",
     )  # fmt: skip
     parser.add_argument(
         "--eval-every", type=non_negative_int, default=defaults.eval_every, metavar="N",
@@ -485,10 +493,12 @@ def _validation_lines(validation: list[tuple[int, float]], task: LanguageTask) -
     """The validation curve, and the bigram byte model's figure on the same held-out bytes beside it."""
     lines = [f"validation ({len(task.validation)} held-out batches): " + task.corpus.summary()]
     lines += [
-        f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}"
+        f"  after {steps:5d} steps  {loss:.4f} nats/token  {task.readable(loss)}".rstrip()
         for steps, loss in validation
     ]
     baseline, final = task.baseline_bits_per_byte(), task.bits_per_byte(validation[-1][1])
+    if baseline is None:  # a token folder: no bytes for the bigram byte model
+        return lines
     lines.append(f"  bigram byte model (order 1, fitted on the training split): {baseline:.3f} bits/byte")
     if final < baseline:
         lines.append(f"  the model beats it by {baseline - final:.3f} bits/byte")
