@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import sysconfig
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -15,10 +16,11 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from pipeclock import cli
 from pipeclock.checkpoints import choice as checkpoint_choice
+from pipeclock.data.prepare import prepare
+from pipeclock.data.tokens import TokenDataset
 from pipeclock.engine import rng
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.models.gpt import GPTConfig, gpt_sequential
-from pipeclock.models.text import TextCorpus
 from pipeclock.training.loop import TrainConfig, train
 from pipeclock.training.lr_schedule import LRSchedule, resume_line, scheduler_at
 from pipeclock.training.optimizer import parameter_groups
@@ -155,10 +157,23 @@ def test_each_bad_optimizer_or_schedule_value_is_one_line_and_exit_2():
 # --- the runs -----------------------------------------------------------------------------------------
 
 
-def reference_run() -> tuple[list[float], list[float], list[float]]:
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    """A prepared token folder (``prepare``, bytes) of the standard library's first 40 modules: the runs
+    below read their batches from its shards."""
+    folder = tmp_path_factory.mktemp("tokens")
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    prepare([str(path) for path in sources], folder / "data", validation_fraction=0.1)
+    return str(folder / "data")
+
+
+def reference_run(data: str) -> tuple[list[float], list[float], list[float]]:
     """Plain PyTorch on one process: the whole GPT and batch, AdamW over the decay groups, torch's own
     warm-up and cosine schedulers, ``clip_grad_norm_``. Its losses, rates and unclipped norms."""
-    model = gpt_sequential(GPTConfig(dim=32, layers=4, heads=2, seq_len=32, dropout=0.1, seed=0))
+    corpus = TokenDataset(data)
+    vocabulary = -(-corpus.vocab_size // 64) * 64  # the GPT pads a dataset's vocabulary to 64s
+    gpt = GPTConfig(dim=32, layers=4, heads=2, seq_len=32, dropout=0.1, seed=0, vocab_size=vocabulary)
+    model = gpt_sequential(gpt)
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     others = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -170,7 +185,7 @@ def reference_run() -> tuple[list[float], list[float], list[float]]:
     warm = LinearLR(optimizer, 1 / WARMUP, 1.0, total_iters=WARMUP - 1)
     decay = CosineAnnealingLR(optimizer, T_max=STEPS - WARMUP, eta_min=RUN["min_lr"])
     scheduler = SequentialLR(optimizer, [warm, decay], milestones=[WARMUP])
-    corpus, loss_fn = TextCorpus.default(), TokenCrossEntropy()
+    loss_fn = TokenCrossEntropy()
     losses, rates, norms = [], [], []
     for step in range(STEPS):
         ids, targets = corpus.batch(step, RUN["batch_size"], 32, seed=0)
@@ -190,21 +205,27 @@ def figures(result) -> dict[str, list[float]]:
     return {"losses": result.losses, "lrs": result.lrs, "grad_norms": result.grad_norms}
 
 
-def one_process_runs(rank: int, world: int, directory: str) -> dict:
+def one_process_runs(rank: int, world: int, directory: str, data: str) -> dict:
     """The run straight, with a checkpoint after step 6; the same run resumed there into another folder;
     and a resume there that asks for 16 steps, through the command, for what it says."""
     straight = Path(directory) / "straight"
     found = {
         "straight": figures(
-            train(TrainConfig(**GPT, **RUN, checkpoint_dir=str(straight), checkpoint_every=6))
+            train(TrainConfig(**GPT, **RUN, data=data, checkpoint_dir=str(straight), checkpoint_every=6))
         )
     }
     again = dict(checkpoint_dir=str(Path(directory) / "again"), resume=str(straight / "step_000006"))
-    found["resumed"] = figures(train(TrainConfig(**GPT, **RUN, **again)))
+    found["resumed"] = figures(train(TrainConfig(**GPT, **RUN, **again, data=data)))
     longer = [
         f"--{k.replace('_', '-')}={','.join(map(str, v)) if k == 'betas' else v}" for k, v in RUN.items()
     ]
-    argv = ["train", *(f"--{k.replace('_', '-')}={v}" for k, v in GPT.items()), *longer, "--steps=16"]
+    argv = [
+        "train",
+        *(f"--{k.replace('_', '-')}={v}" for k, v in GPT.items()),
+        *longer,
+        "--steps=16",
+        f"--data={data}",
+    ]
     argv += [f"--checkpoint-dir={Path(directory) / 'longer'}", f"--resume={straight / 'step_000006'}"]
     found["longer"] = command(rank, world, argv)
     found["saved"] = checkpoint_choice.read_run(straight / "step_000006")
@@ -212,13 +233,15 @@ def one_process_runs(rank: int, world: int, directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    (found,) = run_ok(one_process_runs, 1, str(tmp_path_factory.mktemp("optim")), deadline=300)
+def one_process(tmp_path_factory, tokens) -> dict:
+    (found,) = run_ok(one_process_runs, 1, str(tmp_path_factory.mktemp("optim")), tokens, deadline=300)
     return found
 
 
-def test_one_process_train_follows_plain_pytorch_adamw_with_torchs_schedulers_step_for_step(one_process):
-    losses, rates, norms = reference_run()
+def test_one_process_train_follows_plain_pytorch_adamw_with_torchs_schedulers_step_for_step(
+    one_process, tokens
+):
+    losses, rates, norms = reference_run(tokens)
     run = one_process["straight"]
     assert losses[-1] < losses[0] - 0.5, "the GPT really learns"
     assert relative_gaps(run["losses"], losses) <= 1e-6
@@ -262,9 +285,10 @@ LAYOUTS = {"dp2 x pp2": dict(dp=2), "pp2 x tp2": dict(tp=2)}
 UNCLIPPED = dict(tp=2, dp=1, clip_grad_norm=None, steps=1, lr_schedule="constant", warmup_steps=0, min_lr=0.0)
 
 
-def layout_runs(rank: int, world: int, layouts: dict[str, dict]) -> dict[str, dict]:
+def layout_runs(rank: int, world: int, layouts: dict[str, dict], data: str) -> dict[str, dict]:
     return {
-        name: figures(train(TrainConfig(**GPT, **{**RUN, **options}))) for name, options in layouts.items()
+        name: figures(train(TrainConfig(**GPT, **{**RUN, **options}, data=data)))
+        for name, options in layouts.items()
     }
 
 
@@ -277,8 +301,8 @@ def check_layouts(per_rank: list[dict], one: dict) -> None:
         assert run["lrs"] == one["lrs"], name
 
 
-def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_and_norms_clipped_or_not(one_process):
-    per_rank = run_ok(layout_runs, 4, {**LAYOUTS, "unclipped": UNCLIPPED}, deadline=400)
+def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_and_norms_clipped_or_not(one_process, tokens):
+    per_rank = run_ok(layout_runs, 4, {**LAYOUTS, "unclipped": UNCLIPPED}, tokens, deadline=400)
     unclipped = [found.pop("unclipped") for found in per_rank]
     check_layouts(per_rank, one_process["straight"])
     first_norm = one_process["straight"]["grad_norms"][0]  # before any update: the same gradient
@@ -286,8 +310,8 @@ def test_dp2_x_pp2_and_pp2_x_tp2_follow_the_one_process_curve_and_norms_clipped_
 
 
 @pytest.mark.long  # eight processes on two cores: 30 s
-def test_dp2_x_pp2_x_tp2_follows_the_one_process_curve_every_step(one_process):
-    per_rank = run_ok(layout_runs, 8, {"dp2 x pp2 x tp2": dict(dp=2, tp=2)}, deadline=500)
+def test_dp2_x_pp2_x_tp2_follows_the_one_process_curve_every_step(one_process, tokens):
+    per_rank = run_ok(layout_runs, 8, {"dp2 x pp2 x tp2": dict(dp=2, tp=2)}, tokens, deadline=500)
     check_layouts(per_rank, one_process["straight"])
 
 
