@@ -27,7 +27,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # two workers on 2 quiet cores, over two runs; an order, not a promise: a stale one only costs time.)
 SLOWEST_FIRST = (
     "test_hf_families",  # ~100 s, `long`
+    "test_hf_tp_families",  # ~100 s, `long`
     "test_whole_runs",  # 76-95 s, `long` (on 2 cores under a load average of 6)
+    "test_compile",  # 70-90 s with `long` (inductor compiles), 16-30 s without
+    "test_walkthrough",  # 45 s, `long`
+    "test_optimizer",  # 30 s, 70 s with `long`
     "test_docs",  # 120 s
     "test_pipeline_matrix",  # 85-100 s
     "test_faults",  # 55-77 s
@@ -47,6 +51,7 @@ SLOWEST_FIRST = (
     "test_folder_lock",  # 15-23 s
     "test_loop_check",  # 15-17 s
     "test_gpt_training",  # 14 s
+    "test_data",  # 16 s, 55 s with `long`
     "test_v_schedules",  # 14 s
     "test_bad_input",  # 10-14 s
     "test_generators",  # 13 s

@@ -18,8 +18,8 @@ from tests.distributed import run_ok
 from tests.hf_cases import llama_config
 
 GPT = dict(model="gpt", dim=32, layers=2, heads=2, seq_len=16, batch_size=4, microbatches=2, steps=4)
-# Measured: compiled blocks gave eager's losses bit for bit on this CPU (GPT, Llama; 1 and 2 stages).
-# Inductor may fuse differently elsewhere, so the promise is a float tolerance.
+# Measured on this CPU: the tiny models here give eager's losses bit for bit; the benchmark's (4 x 256)
+# within 3e-7 (benchmarks/results/compile.md). Inductor fuses differently per shape and machine.
 TOLERANCE = 1e-5
 
 

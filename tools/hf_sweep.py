@@ -284,18 +284,24 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return sweep_command(argv, __doc__, "the table", launch, table, with_table)
+
+
+def sweep_command(argv, doc: str, what: str, launch_types, make_table, page_with_table) -> int:
+    """A sweep's command line: the types given (or all), one line each, the table, and ``--write`` to put
+    it into families.md; exit 1 when a type failed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
-    parser.add_argument("--write", action="store_true", help=f"rewrite the table in {DOCS}")
+    parser.add_argument("--write", action="store_true", help=f"rewrite {what} in {DOCS}")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    outcomes = merged(launch(args.types or causal_lm_types()))
+    outcomes = merged(launch_types(args.types or causal_lm_types()))
     for o in outcomes:
         print(f"{o.model_type:28} {o.kind:9} {o.worst:8.1e} {o.detail}")
-    generated = table(outcomes)
+    generated = make_table(outcomes)
     print(f"\n{generated}\n\n{len(outcomes)} types in {time.perf_counter() - start:.0f} s")
     if args.write:
-        DOCS.write_text(with_table(DOCS.read_text(), generated))
+        DOCS.write_text(page_with_table(DOCS.read_text(), generated))
     return 0 if not any(o.kind == "FAILED" for o in outcomes) else 1
 
 

@@ -20,12 +20,10 @@ what this sweep finds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Sequence
 from datetime import timedelta
@@ -34,8 +32,8 @@ from pathlib import Path
 import torch
 
 from tools import hf_sweep
-from tools.hf_families import causal_lm_types, tiny_config
-from tools.hf_sweep import DOCS, SEED, TOLERANCE, Outcome, batch, gap, merged, reference
+from tools.hf_families import tiny_config
+from tools.hf_sweep import SEED, TOLERANCE, Outcome, batch, gap, reference
 
 WORLD = 2
 # A type whose gradients amplify rounding: DiffLlama's lambda_* on one process, its head's matmul done in
@@ -175,19 +173,7 @@ def _launched(rank: int, world: int, types: list[str], folder: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
-    parser.add_argument("--write", action="store_true", help=f"rewrite the tp table in {DOCS}")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    outcomes = merged(launch(args.types or causal_lm_types()))
-    for o in outcomes:
-        print(f"{o.model_type:28} {o.kind:9} {o.worst:8.1e} {o.detail}")
-    generated = table(outcomes)
-    print(f"\n{generated}\n\n{len(outcomes)} types in {time.perf_counter() - start:.0f} s")
-    if args.write:
-        DOCS.write_text(with_table(DOCS.read_text(), generated))
-    return 0 if not any(o.kind == "FAILED" for o in outcomes) else 1
+    return hf_sweep.sweep_command(argv, __doc__, "the tp table", launch, table, with_table)
 
 
 if __name__ == "__main__":
