@@ -14,7 +14,7 @@ import torch
 from pipeclock.data.prepare import prepare
 from pipeclock.data.tokens import TokenDataError, TokenDataset, TokenStream
 from tests.distributed import command, printed, run_ok, start_ranks
-from tests.token_cases import documents, split_tokens, write_jsonl
+from tests.token_cases import bpe_tokenizer, documents, split_tokens, write_jsonl
 
 SEQ = 32
 
@@ -230,3 +230,20 @@ def test_a_bad_token_folder_is_one_line_and_exit_2(refusals, case, expected):
     code, _, err = refusals[case]
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+def test_a_gpt_trained_on_another_tokenizers_ids_is_not_generated_as_bytes(tmp_path):
+    """Its ids are not bytes: generate refuses it in one line rather than print another alphabet."""
+    texts = documents(60)
+    tokenizer = bpe_tokenizer(tmp_path / "tokenizer", texts)
+    prepare([str(write_jsonl(tmp_path / "docs.jsonl", texts))], tmp_path / "bpe", tokenizer=str(tokenizer),
+            validation_fraction=0.1)  # fmt: skip
+    saved = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    (trained, generated) = run_ok(run_commands, 1, [
+        [*GPT, "--data", str(tmp_path / "bpe"), "--steps", "1", *saved],
+        ["generate", str(tmp_path / "ckpt"), "--prompt", "x", "--tokens", "2"],
+    ], deadline=300)[0]  # fmt: skip
+    assert trained[0] == 0, trained
+    code, _, err = generated
+    assert code == 2 and err.strip().count("\n") == 0, err
+    assert "this GPT was trained on" in err and "generate writes a GPT's text as bytes" in err

@@ -107,7 +107,10 @@ class LanguageTask:
         return f"GPT {g.layers} blocks x {g.dim} ({g.heads} heads, seq {g.seq_len}, vocab {g.vocab_size})"
 
     def run_info(self) -> dict:
-        return {"model": "GPT", "gpt": self.gpt.as_dict(), "corpus_sha256": self.corpus.sha256}
+        info = {"model": "GPT", "gpt": self.gpt.as_dict(), "corpus_sha256": self.corpus.sha256}
+        if isinstance(self.corpus, TokenDataset):  # what its ids mean: generate speaks bytes only
+            info["tokens"] = self.corpus.tokenizer
+        return info
 
     def baseline_bits_per_byte(self) -> float | None:
         """The order-1 byte model's bits per byte on the validation batches (what the GPT must beat);

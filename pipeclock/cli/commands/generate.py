@@ -112,6 +112,7 @@ def _interrupted(rank: int, code: int) -> int:
 def _run(args: argparse.Namespace) -> int:
     path = checkpoint_choice.resolve(args.directory)
     run_info = checkpoint_choice.read_run(path)
+    _check_bytes(run_info)
     tokens = run_tokens(run_info)
     if tokens is not None:
         return _generate_in_tokens(args, path, run_info, tokens)
@@ -140,6 +141,16 @@ def _run(args: argparse.Namespace) -> int:
         printer.close()
     _report(outcome, args, world, groups, settings)
     return 0
+
+
+def _check_bytes(run_info: dict) -> None:
+    """A GPT trained on a token folder of another tokenizer's ids would be read as bytes: refused."""
+    kind = run_info.get("tokens")
+    if run_info.get("model") == "GPT" and kind not in (None, "bytes"):
+        raise ValueError(
+            f"this GPT was trained on {kind} tokens, and generate writes a GPT's text as bytes: train it on "
+            "bytes (prepare --tokenizer bytes), or train a Hugging Face model (--model hf) on those tokens"
+        )
 
 
 def _generate_in_tokens(args: argparse.Namespace, path, run_info: dict, tokens) -> int:
