@@ -92,10 +92,10 @@ def test_ranks_that_disagree_are_grouped_by_value():
 
 
 def test_checkpoint_options_without_a_checkpoint_directory_name_the_flags_given():
-    from pipeclock.training.loop import _check_checkpointing
+    from pipeclock.training.checkpointing import check_checkpointing
 
     with pytest.raises(ValueError) as refused:
-        _check_checkpointing(TrainConfig(checkpoint_every=5, keep_last=2))
+        check_checkpointing(TrainConfig(checkpoint_every=5, keep_last=2))
     assert (
         str(refused.value)
         == "rank 0: --checkpoint-every and --keep-last need --checkpoint-dir (where the checkpoints go)"

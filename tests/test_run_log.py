@@ -25,7 +25,8 @@ from pipeclock.plan.gpus import GIB, KINDS
 from pipeclock.plan.hf_paper import paper_model, read_config
 from pipeclock.plan.paper_model import gpt_model
 from pipeclock.plan.run_flops import flops_per_token, gpu_kind
-from pipeclock.training.loop import Progress, TrainConfig
+from pipeclock.training.loop import TrainConfig
+from pipeclock.training.progress import Progress
 from tests.distributed import command, start_ranks
 
 CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "configs"
