@@ -34,6 +34,11 @@ def _cases(tmp: Path) -> list[tuple[str, list[str]]]:
     (tmp / "a_file").write_text("")
     (tmp / "a_folder").mkdir()
     run, held = str(tmp / "run"), str(tmp / "held")
+    (tmp / "typo.toml").write_text("wieght-decay = 0.1\n")
+    (tmp / "doc.txt").write_text("a document of a few words\n")
+    (tmp / "empty").mkdir()
+    tokens = str(tmp / "tokens")
+    assert main(["prepare", str(tmp / "doc.txt"), "--output", tokens, "--tokenizer", "bytes"]) == 0
     return [
         ("`--checkpoint-dir` under `/proc` (root may write anywhere else)",
          ["train", *TINY, "--checkpoint-dir", "/proc/pipeclock-run"]),
@@ -42,6 +47,18 @@ def _cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("`export` to an existing folder", ["export", run, str(tmp / "a_folder")]),
         ("`export` to an existing file (`--overwrite` replaces it)", ["export", run, str(tmp / "a_file")]),
         ("`export` to a path that cannot be written", ["export", run, "/proc/model.pt"]),
+        ("`--weight-decay` with `--optimizer adam`", ["train", *TINY, "--weight-decay", "0.1"]),
+        ("`--compile` with the MLP", ["train", *TINY, "--compile"]),
+        ("`--lr-schedule wsd` without `--decay-steps`", ["train", *TINY, "--lr-schedule", "wsd"]),
+        ("`--warmup-steps` longer than the run", ["train", *TINY, "--warmup-steps", "5"]),
+        ("a `--config` file with a misspelt key", ["train", *TINY, "--config", str(tmp / "typo.toml")]),
+        ("`--wandb` without the wandb package", ["train", *TINY, "--wandb", "project"]),
+        ("`--data` a folder with no text", ["train", *TINY, "--model", "gpt", "--data", str(tmp / "empty")]),
+        ("`--token-dtype` other than the prepared folder's",
+         ["train", *TINY, "--model", "gpt", "--data", tokens, "--token-dtype", "uint32"]),
+        ("`prepare` into a folder that is not empty", ["prepare", str(tmp / "doc.txt"), "--output", tokens]),
+        ("`prepare` of an input that does not exist",
+         ["prepare", str(tmp / "absent.txt"), "--output", str(tmp / "out")]),
     ]  # fmt: skip
 
 
@@ -127,7 +144,7 @@ def test_each_is_refused_in_one_line_with_exit_code_2_and_no_traceback(printed):
     for usage, _, code, stderr in printed:
         assert code == 2, (usage, stderr)
         assert stderr.count("\n") == 1 and "Traceback" not in stderr, (usage, stderr)
-        assert re.match(r"pipeclock (train|export|generate): error: ", stderr), (usage, stderr)
+        assert re.match(r"pipeclock (train|export|generate|prepare): error: ", stderr), (usage, stderr)
 
 
 def test_each_names_the_path_or_flag_at_fault(printed):
@@ -138,6 +155,16 @@ def test_each_names_the_path_or_flag_at_fault(printed):
         "existing file": "exists; pass --overwrite",
         "read-only": "Read-only file system",
         "full disk": "No space left on device",
+        "--weight-decay": "--optimizer adamw",
+        "--compile": "the MLP has none",
+        "--decay-steps": "--decay-steps N",
+        "--warmup-steps": "--warmup-steps 5",
+        "misspelt": "the nearest is 'weight-decay'",
+        "wandb": "pip install wandb",
+        "no text": "no readable text file",
+        "--token-dtype": "dataset.json's dtype uint16",
+        "not empty": "the folder is not empty",
+        "does not exist": "no such file or folder",
     }
     for usage, _, _, stderr in printed:
         for key, words in wanted.items():
