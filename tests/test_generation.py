@@ -70,6 +70,26 @@ def test_a_cached_step_computes_the_full_forwards_last_logits():
         assert torch.allclose(logits, model(ids[:, :9])[0, -1], atol=1e-5)
 
 
+def test_a_gpt_with_an_end_of_text_id_is_sampled_among_the_bytes_alone():
+    """A GPT trained on a prepared bytes folder has 257 ids (256 ends a document): generation, which
+    writes bytes, reads only the first 256 logits of the head, even where id 256 is the likeliest."""
+    from pipeclock.generation.stage_model import StageModel
+
+    config = replace(TINY, vocab_size=257)
+    stage = StageModel.of({"model": "GPT", "gpt": vars(config)}, "run", world=1)
+    pieces = stage.build(0, 1).eval()
+    with torch.no_grad():
+        pieces.head.ln_f.weight.zero_()  # every hidden state becomes the norm's bias: all ones
+        pieces.head.ln_f.bias.fill_(1.0)
+        pieces.head.lm_head.weight[256] = 100.0  # the end-of-text id beats every byte by far
+    ids = torch.tensor([list(b"hello")])
+    with torch.no_grad():
+        logits = stage.decoding.forward(pieces, ids, stage.decoding.new_cache(pieces, config.seq_len))
+    assert logits.shape == (256,)
+    full = forward_cached(pieces, ids, PromptCache(pieces, config.seq_len))
+    assert full.shape == (257,) and int(full.argmax()) == 256 and torch.equal(logits, full[:256])
+
+
 def test_draws_depend_on_seed_prompt_and_position_alone_and_temperature_zero_is_greedy():
     assert uniform_for(1, 2, 3) == uniform_for(1, 2, 3)
     assert len({uniform_for(1, 2, 3), uniform_for(1, 2, 4), uniform_for(1, 3, 3), uniform_for(2, 2, 3)}) == 4

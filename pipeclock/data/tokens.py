@@ -194,7 +194,12 @@ class TokenDataset:
                 raise TokenDataError(
                     f"--data {self.folder}: its {name} split has {split.numel():,} tokens, seq_len {seq_len} "
                     f"needs {seq_len + 1}"
-                    + (" (prepare with a larger --validation-fraction)" if name == "validation" else "")
+                    + (
+                        " (prepare holds out whole documents: give it more of them, a file or a .jsonl line "
+                        "each, or a larger --validation-fraction)"
+                        if name == "validation"
+                        else ""
+                    )
                 )
 
     def batch(self, step: int, size: int, seq_len: int, seed: int = 0, rows: slice = slice(None)) -> Batch:

@@ -30,7 +30,8 @@ class StageModel:
         if run_info.get("model") == "GPT":
             config = GPTConfig(**run_info["gpt"])
             GPT.stage_pieces(config, world)
-            return cls(config.seq_len, config.dim, lambda r, p: GPT.for_rank(config, r, p)[0], GPT_DECODING)
+            build = lambda r, p: GPT.for_rank(config, r, p)[0]  # noqa: E731
+            return cls(config.seq_len, config.dim, build, Decoding(GPT_DECODING.new_cache, _gpt_among_bytes))
         if run_info.get("model") == "HF":
             return cls._hf(run_info, world)
         raise ValueError(
@@ -53,3 +54,10 @@ class StageModel:
 
         build = lambda r, p: hf.split(config, r, p, seed=seed, trust_remote_code=trusted)  # noqa: E731
         return cls(run_info["seq_len"], config.hidden_size, build, Decoding(HFPromptCache, among_bytes))
+
+
+def _gpt_among_bytes(pieces: torch.nn.Module, inputs: torch.Tensor, cache) -> torch.Tensor:
+    """The GPT's cached forward; on the head's stage (1-D logits) only the bytes' logits, so that a GPT
+    trained on a prepared bytes folder (its end-of-text id 256 included) never samples past a byte."""
+    out = GPT_DECODING.forward(pieces, inputs, cache)
+    return out[:BYTES] if out.dim() == 1 else out

@@ -77,9 +77,16 @@ def _summary(dataset: dict, output: str, seconds: float) -> str:
             f"  {name:5s} {split['documents']:>9,} documents  {split['tokens']:>13,} tokens  "
             f"{split['bytes']:>13,} bytes of text  {len(split['shards'])} shard(s)"
         )
+    documents = sum(split["documents"] for split in splits.values())
     if splits["val"]["documents"] == 0:
+        cure = (
+            "raise --validation-fraction"
+            if documents > 1
+            else "give it several: a file or a .jsonl line each"
+        )
         lines.append(
-            "  no document was held out: train --data needs a validation split (raise --validation-fraction)"
+            f"  no document was held out ({documents:,} in all): train --data needs a validation split "
+            f"({cure})"
         )
     lines.append(
         f"  {text / 1e6:.1f} MB of text in {seconds:.1f} s ({text / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
