@@ -414,6 +414,36 @@ def test_a_model_directorys_tokenizer_reads_the_corpus_and_generate_decodes_with
     assert generated == exported.decode(ids) + "\n"
 
 
+def test_a_pretrained_model_trains_only_on_a_folder_its_own_tokenizer_prepared(tmp_path):
+    """--hf-model DIR reads ids in DIR's tokenizer's words: a folder prepared as bytes, or by another
+    tokenizer, is refused in one line naming the cure; one prepared by DIR's tokenizer is taken."""
+    import shutil
+
+    from pipeclock.cli.dispatch import main
+    from pipeclock.training.hf_task import HFTask
+    from pipeclock.training.loop import TrainConfig
+    from tests.hf_cases import model_with_tokenizer
+    from tests.token_cases import bpe_tokenizer, documents, write_jsonl
+
+    texts = documents()
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", texts)
+    other = bpe_tokenizer(tmp_path / "other", texts)
+    model_with_tokenizer(tmp_path / "model", "".join(texts))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the model's tokenizer becomes ``other``'s
+        shutil.copy(other / name, tmp_path / "model" / name)
+    other_again = bpe_tokenizer(tmp_path / "other_again", texts[::-1], vocab_size=300)
+    for folder, tokenizer in (("bytes", "bytes"), ("own", tmp_path / "model"), ("another", other_again)):
+        argv = ["prepare", str(jsonl), "--output", str(tmp_path / folder), "--tokenizer", str(tokenizer)]
+        assert main([*argv, "--validation-fraction", "0.2"]) == 0
+    flags = dict(model="hf", hf_model=str(tmp_path / "model"), seq_len=8, batch_size=4)
+    assert HFTask(TrainConfig(**flags, data=str(tmp_path / "own"))).corpus.vocab_size <= 320
+    for folder, prepared in (("bytes", "as bytes"), ("another", f"at {other_again}")):
+        config = TrainConfig(**flags, data=str(tmp_path / folder))
+        message = one_line_error(lambda config=config: HFTask(config))
+        assert "was prepared" in message and prepared in message, message
+        assert f"prepare --tokenizer {tmp_path / 'model'}" in message, message
+
+
 def test_a_tokenizer_with_more_ids_than_the_model_is_one_clear_line(tmp_path):
     from pipeclock.training.hf_task import HFTask
     from pipeclock.training.loop import TrainConfig

@@ -125,7 +125,8 @@ class TokenDataset:
             raise TokenDataError(f"--token-dtype {token_dtype} does not match {path}'s dtype {self.dtype}")
         self.meta, self.sha256 = meta, hashlib.sha256(text).hexdigest()
         self.tokenizer = meta.get("tokenizer", {}).get("name", "unknown")
-        self.tokenizer_path = meta.get("tokenizer", {}).get("path")  # None: bytes
+        self.tokenizer_path = meta.get("tokenizer", {}).get("path")  # "bytes" for bytes
+        self.tokenizer_sha256 = meta.get("tokenizer", {}).get("sha256")  # "" for bytes
         self._shards = {split: self._checked(splits[split]["shards"]) for split in splits}
         val = splits["val"]
         self.validation_bytes = val.get("bytes") or None
@@ -165,7 +166,7 @@ class TokenDataset:
         self.sha256 = identity.hexdigest()
         self.vocab_size = _meta_vocabulary(self.folder / "meta.pkl")
         self.tokenizer = "nanoGPT's (unknown)"
-        self.tokenizer_path = None
+        self.tokenizer_path = self.tokenizer_sha256 = None
 
     def bound(self, vocab_size: int) -> None:
         """Check every token read against ``vocab_size`` (the model's) from now on."""

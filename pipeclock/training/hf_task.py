@@ -60,6 +60,7 @@ class HFTask(LanguageTask):
         self.bytes = None if token_data else self.corpus  # the bigram baseline reads the text as bytes
         if token_data:
             self._check_dataset_vocabulary()
+            self._check_dataset_tokenizer()
             self.tokens = self.tokens or _dataset_tokens(self.corpus)
         elif self.tokens is not None:
             self.corpus = self.corpus.tokenized(self.tokens.encode, self.tokens.name)
@@ -79,6 +80,23 @@ class HFTask(LanguageTask):
             raise ValueError(
                 f"--data {data.folder}: its vocabulary of {data.vocab_size:,} ({data.tokenizer}) is larger "
                 f"than the model's {vocabulary:,} ({self.source})"
+            )
+
+    def _check_dataset_tokenizer(self) -> None:
+        """A pretrained model (``--hf-model`` with its tokenizer) reads ids in its own tokenizer's words: a
+        folder prepared by another tokenizer, or as bytes, would train it on ids that mean other text."""
+        from pipeclock.data.tokenizer import files_sha256
+
+        data = self.corpus
+        if self.tokens is None or data.tokenizer_sha256 is None:  # no tokenizer here, or nanoGPT's unknown
+            return
+        if data.tokenizer_sha256 != files_sha256(Path(self.source)):
+            prepared = (
+                "as bytes" if not data.tokenizer_sha256 else f"by {data.tokenizer} at {data.tokenizer_path}"
+            )
+            raise ValueError(
+                f"--data {data.folder} was prepared {prepared}, not by {self.source}'s own tokenizer: "
+                f"its ids would mean other text to this model (prepare --tokenizer {self.source})"
             )
 
     def _check_fits(self, config, token_data: bool = False) -> None:
