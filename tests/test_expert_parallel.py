@@ -22,6 +22,7 @@ from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.microbatch import split_microbatches
 from pipeclock.engine.ties import tie_key
 from pipeclock.parallel.experts import WithExperts, expert_parallel
+from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
 from tests.distributed import run_ok
 from tests.hf_cases import padded_batch, relative_gap
 
@@ -109,7 +110,10 @@ def ep_case(mesh, ep: int, family: str, name: str, m: int, routing: str) -> dict
     config = moe_config(family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        split = hf.split(config, parallel.pp_rank(mesh), pp, seed=SEED)
+        split = hf.split(
+            config, parallel.pp_rank(mesh), pp, chunks=SCHEDULE_CHUNKS[name], placement=PLACEMENT.get(name),
+            seed=SEED,
+        )  # fmt: skip
     chunks = split if isinstance(split, list) else [split]
     if routing == "one rank":
         for chunk in chunks:
@@ -175,9 +179,10 @@ def cases(m: int = 2) -> list[tuple]:
 
 
 def test_dp2_x_ep2_gives_one_process_loss_gradients_and_norm_with_the_auxiliary_loss():
-    check(2, [(2, 2, cases())])
+    check(2, [(2, 2, [("mixtral", "1f1b", 2, "learned"), ("qwen3_moe", "zb-h1", 2, "one rank")])])
 
 
 @pytest.mark.long
 def test_pp2_x_dp2_x_ep2_dp4_x_ep2_and_dp4_x_ep4_give_one_process_loss_gradients_and_norm():
-    check(4, [(2, 2, cases()), (4, 2, cases(1)), (4, 4, cases(1))])
+    other_schedules = [("mixtral", "interleaved-1f1b", 2, "one rank"), ("qwen3_moe", "zb-h1", 3, "learned")]
+    check(4, [(2, 2, cases() + other_schedules), (4, 2, cases(1)), (4, 4, cases(1))])
