@@ -153,6 +153,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '({"layers.*.mlp.up_proj": "colwise", ...}), for a model without one or to replace its own',
     )  # fmt: skip
     parser.add_argument(
+        "--ep", type=positive_int, default=defaults.ep, metavar="N",
+        help="expert-parallel ranks (default 1): each MoE layer's experts divided over N of a stage's dp "
+        "ranks (N divides --dp), tokens sent to their expert's rank and back by all-to-all",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ep-plan", metavar="FILE",
+        help="with --ep: the plan as a JSON file in transformers' base_model_ep_plan format "
+        '({"layers.*.mlp.experts": "ep_dispatch_experts", ...}), for a model without one or to replace '
+        "its own",
+    )  # fmt: skip
+    parser.add_argument(
         "--tp-timed-steps", type=non_negative_int, default=defaults.tp_timed_steps, metavar="N",
         help="with --tp: steps profiled (torch.profiler) for the time inside tensor parallel's "
         "collectives, which the summary reports; they are left out of its other figures "

@@ -50,6 +50,9 @@ def _counted_here(grad: torch.Tensor, mesh: DeviceMesh) -> bool:
     same on every rank (a whole gradient: dp without FSDP2, and tp; a DTensor: its ``Replicate`` dims
     and the dims it does not span; any other placement, FSDP2's strided shards included, splits it)."""
     split: set[str] = set()
+    if isinstance(grad, DTensor) and "ep" in (grad.device_mesh.mesh_dim_names or ()):
+        # an expert block (``parallel.experts``): on the first of the dp ranks holding that block
+        return grad.device_mesh.get_local_rank("edp") == 0 and mesh.get_local_rank("tp") == 0
     if isinstance(grad, DTensor):
         names = grad.device_mesh.mesh_dim_names or ()
         split = {name for name, place in zip(names, grad.placements, strict=True) if not place.is_replicate()}

@@ -88,12 +88,12 @@ class FullyShardedReplicas(_Replicas):
     split_backward = True
     shards_gradients = True
 
-    def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh):
+    def __init__(self, chunks: Sequence[nn.Module], mesh: DeviceMesh, ignored: set | None = None):
         super().__init__(chunks, mesh)
         for chunk in self.chunks:
             ties = {name: tie_key(p) for name, p in chunk.named_parameters() if tie_key(p) is not None}
             # Gathered once per step, not once per micro-batch: a pipeline runs each chunk m times.
-            fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False)
+            fully_shard(chunk, mesh=self.mesh, reshard_after_forward=False, ignored_params=ignored)
             for name, param in chunk.named_parameters():  # the shards are new parameters: mark them again
                 if name in ties:
                     tie(param, ties[name])
@@ -185,13 +185,16 @@ def _sum_bucket(replicas, bucket):  # no annotations: DDP checks them at run tim
     return work.get_future().then(finished)
 
 
-def data_parallel(chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "fsdp") -> _Replicas:
+def data_parallel(
+    chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "fsdp", ignored: set | None = None
+) -> _Replicas:
     """Make this rank's chunks one replica among the mesh's dp replicas; every rank calls it, together.
 
     Give ``.chunks`` and the returned object to ``Pipeline(..., replicas=...)``; ``.modules`` are the
     chunks as built (what to checkpoint). Build the optimizer after this call: FSDP2 replaces each
     parameter by its shard. Chunks split by tensor parallel (``tensor_parallel``, called first) take
     FSDP2 only: it shards the tp shards over the replicas, a 2D layout; DDP refuses DTensors.
+    ``ignored``: parameters FSDP2 leaves alone (expert blocks, which ``parallel.experts`` sums itself).
     """
     if engine not in DATA_PARALLEL:
         raise ValueError(f"rank {comms.get_rank()}: unknown data-parallel engine {engine!r}: use fsdp or ddp")
@@ -200,9 +203,14 @@ def data_parallel(chunks: Sequence[nn.Module], mesh: DeviceMesh, engine: str = "
             f"rank {comms.get_rank()}: DDP cannot hold tensor-parallel parameters (torch has no DTensor "
             "rule for the broadcast DDP starts with): use --data-parallel fsdp with --tp"
         )
-    kind = FullyShardedReplicas if engine == "fsdp" else DistributedReplicas
     _own_parameters(chunks)
-    return kind(chunks, mesh)
+    if engine == "fsdp":
+        return FullyShardedReplicas(chunks, mesh, ignored)
+    if ignored:
+        raise ValueError(
+            f"rank {comms.get_rank()}: --data-parallel ddp cannot leave the experts out: use fsdp with --ep"
+        )
+    return DistributedReplicas(chunks, mesh)
 
 
 def _own_parameters(chunks: Sequence[nn.Module]) -> None:

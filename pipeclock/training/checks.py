@@ -19,6 +19,7 @@ from dataclasses import fields
 from pipeclock import comms
 from pipeclock.engine.precision import DTYPES
 from pipeclock.engine.recompute import POLICY_HELP, parse_policy
+from pipeclock.training.expert_checks import check_expert_parallel
 from pipeclock.training.lr_schedule import check_schedule
 from pipeclock.training.optimizer import check_optimizer
 
@@ -65,6 +66,7 @@ def check_values(config) -> None:
 def _check_data_parallel(config) -> None:
     _at_least("dp", config.dp, 1)
     _check_tensor_parallel(config)
+    check_expert_parallel(config)
     if config.data_parallel not in ("fsdp", "ddp"):
         raise ValueError(f"--data-parallel must be fsdp or ddp, got {config.data_parallel!r}")
     if config.clip_grad_norm is not None and not config.clip_grad_norm > 0:

@@ -73,6 +73,8 @@ class TrainConfig:
     dp: int = 1  # data-parallel replicas of the pipeline: pp = processes / (dp x tp)
     tp: int = 1  # tensor-parallel ranks sharing each stage (innermost in the mesh)
     tp_plan: str | None = None  # a JSON plan in transformers' base_model_tp_plan format; None: the model's
+    ep: int = 1  # expert-parallel ranks, carved from dp: each MoE layer's experts divided over them
+    ep_plan: str | None = None  # a JSON plan in transformers' base_model_ep_plan format; None: the model's
     tp_timed_steps: int = 3  # with tp: steps profiled for the time inside tp's collectives (0: none)
     data_parallel: str = "fsdp"  # "fsdp" (FSDP2, sharded) or "ddp" (full copies)
     clip_grad_norm: float | None = None  # the whole model's gradient norm at most this; None: no clipping

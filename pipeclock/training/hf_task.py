@@ -138,6 +138,14 @@ class HFTask(LanguageTask):
         given = read_plan(self.config.tp_plan) if self.config.tp_plan else None
         return hf.tp_plan(self.hf_config, tp, given)
 
+    def ep_plan(self, ep: int) -> dict[str, str]:
+        """The experts' plan (the config's ``base_model_ep_plan``, or ``--ep-plan``'s in that format)."""
+        from pipeclock.models import hf
+        from pipeclock.parallel.experts import read_plan as read_ep_plan
+
+        given = read_ep_plan(self.config.ep_plan) if self.config.ep_plan else None
+        return hf.ep_plan(self.hf_config, ep, given)
+
     def baseline_bits_per_byte(self) -> float | None:
         """The bigram byte model on the validation text's (byte, next byte) pairs: the GPT's windows of
         the same corpus, so both tasks print the same figure (the model's own pairs are (inputs,

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipeclock import comms
 from pipeclock.engine.orchestrator import Pipeline
 from pipeclock.parallel import data_parallel, dp_rank, init_mesh, pp_rank, shard_of
+from pipeclock.parallel.experts import WithExperts, expert_parallel
 from pipeclock.parallel.tensor_parallel import tensor_parallel
 from pipeclock.training.balance import stage_cut
 from pipeclock.training.compiled import compile_blocks
@@ -53,14 +54,22 @@ def build_pipeline(config, task) -> tuple[Pipeline, list[nn.Module], slice, Devi
     if config.tp > 1:
         plan = task.tp_plan(config.tp, cut, table.placement.num_virtual)
         tensor_parallel(modules, mesh, plan, f"--tp-plan {config.tp_plan}" if config.tp_plan else "the plan")
+    experts = None
+    if config.ep > 1:  # before compiling: the experts' forward becomes the all-to-all dispatch
+        experts = expert_parallel(modules, mesh, task.ep_plan(config.ep), config.ep, _ep_source(config))
     if config.compile:
         compile_blocks(modules)
     chunks = modules
     if config.dp > 1:
-        replicas = data_parallel(modules, mesh, config.data_parallel)
+        ignored = experts.parameters if experts else None
+        replicas = data_parallel(modules, mesh, config.data_parallel, ignored)
         chunks, modules = replicas.chunks, replicas.modules
-        options |= dict(replicas=replicas)
+        options |= dict(replicas=WithExperts(replicas, experts) if experts else replicas)
     groups = dict(group=mesh.get_group("pp"), tp_group=mesh.get_group("tp"))
     pipe = Pipeline(chunks, table, config.microbatches, task.loss_fn, **groups, **options)
     shard = shard_of(config.batch_size, config.dp, dp_rank(mesh))
     return pipe, modules, slice(shard.start, shard.stop), mesh
+
+
+def _ep_source(config) -> str:
+    return f"--ep-plan {config.ep_plan}" if config.ep_plan else "the model's ep plan"

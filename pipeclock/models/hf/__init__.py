@@ -33,6 +33,7 @@ from pipeclock.models.hf.build import (
     remote_code,
     stage_cut,
 )
+from pipeclock.models.hf.expert_plan import ep_plan
 from pipeclock.models.hf.export import save_pretrained
 from pipeclock.models.hf.randomness import keyed, keyed_dropout
 from pipeclock.models.hf.routers import WithRouterLoss
@@ -47,6 +48,7 @@ __all__ = [
     "Layout",
     "NotUnderstood",
     "config_of",
+    "ep_plan",
     "keyed",
     "keyed_dropout",
     "layout_of",

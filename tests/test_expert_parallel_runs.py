@@ -1,0 +1,160 @@
+"""``train --ep N`` from the command line: refused in one line where it cannot work, exact where it runs,
+and its checkpoints whole: a run saved with ep 2 resumes with ep 1 and on another pp, and exports.
+
+One launch of two ranks runs every command in turn (each refusal, then the runs); the export and its
+reading by ``transformers`` follow on this process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.distributed import command, run_ok
+
+RUN = ["train", "--model", "hf", "--steps", "3", "--seq-len", "16", "--batch-size", "4",
+       "--microbatches", "2", "--eval-every", "0", "--eval-batches", "1"]  # fmt: skip
+EP_PLAN = {
+    "layers.*.mlp.experts": "ep_dispatch_experts",
+    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+    "layers.*.mlp.experts.down_proj": "grouped_gemm",
+}
+# Each refusal: the flags after ``train`` (``{dir}``: the launch's folder), and what its one line must say.
+REFUSALS = {
+    "ep not dividing dp": ("--hf-config {dir}/moe --dp 2 --ep 3", "--ep 3 does not divide --dp 2"),
+    "ep on the MLP": ("--model mlp --hidden 8 --layers 2 --dp 2 --ep 2", "--model mlp has none"),
+    "ep on a dense model": ("--hf-config {dir}/dense --dp 2 --ep 2", "LlamaConfig is a dense model"),
+    "ep not dividing the experts": (
+        "--hf-config {dir}/three --dp 2 --ep 2", "does not divide the model's 3 experts"
+    ),
+    "a plan naming what the model lacks": (
+        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/absent.json",
+        "names model.layers.*.block_sparse_moe.experts, which the model does not have",
+    ),
+    "a plan with a style not applied": (
+        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/gather.json", "which pipeclock does not apply"
+    ),
+    "an ep plan without ep": ("--hf-config {dir}/moe --dp 2 --ep-plan {dir}/plan.json", "needs --ep N"),
+    "ep with tp": ("--hf-config {dir}/moe --dp 2 --ep 2 --tp 2", "--ep 2 with --tp 2"),
+    "ep with ddp": ("--hf-config {dir}/moe --dp 2 --ep 2 --data-parallel ddp", "takes --data-parallel fsdp"),
+}  # fmt: skip
+
+
+def write_models(folder: Path) -> None:
+    from transformers import LlamaConfig, MixtralConfig
+
+    sizes = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)  # fmt: skip
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+    MixtralConfig(**sizes, **moe, num_local_experts=4).save_pretrained(folder / "moe")
+    MixtralConfig(**sizes, **moe, num_local_experts=3).save_pretrained(folder / "three")
+    LlamaConfig(**sizes).save_pretrained(folder / "dense")
+    (folder / "plan.json").write_text(json.dumps(EP_PLAN))
+    (folder / "gather.json").write_text(json.dumps({**EP_PLAN, "layers.*.mlp.experts": "gather"}))
+    absent = {**EP_PLAN, "layers.*.block_sparse_moe.experts": "ep_dispatch_experts"}
+    (folder / "absent.json").write_text(json.dumps(absent))
+    sentence = "experts take the tokens routed to them and send back what they made of them. "
+    (folder / "text.txt").write_text(sentence * 600)
+
+
+def refusals(rank: int, world: int, folder: str) -> dict[str, tuple[int, str, str]]:
+    """Each refused command on this rank, in turn: its exit code, standard output and error."""
+    found = {}
+    for name, (flags, _) in REFUSALS.items():
+        printed = command(
+            rank, world, [*RUN, "--data", f"{folder}/text.txt", *flags.format(dir=folder).split()]
+        )
+        found[name] = (printed.code, printed.out, printed.err)
+    return found
+
+
+def runs(rank: int, world: int, folder: str) -> dict[str, tuple[int, str, str]]:
+    """The runs on this rank, in turn: ep 2 saving at step 2, the same without ep, and the saved run
+    resumed with ep 1 and on two stages."""
+    moe = ["--hf-config", f"{folder}/moe", "--data", f"{folder}/text.txt"]
+    asked = {
+        "ep 2, saved at step 2": [*moe, "--dp", "2", "--ep", "2", "--steps", "2",
+                                  "--checkpoint-dir", f"{folder}/a"],
+        "dp 2 without ep": [*moe, "--dp", "2"],
+        "resumed with ep 1": [*moe, "--dp", "2", "--checkpoint-dir", f"{folder}/a", "--resume"],
+        "resumed on pp 2": [*moe, "--checkpoint-dir", f"{folder}/b", "--resume"],
+    }  # fmt: skip
+    found = {}
+    for name, flags in asked.items():
+        if name == "resumed with ep 1" and rank == 0:  # the saved run, kept for the pp 2 resume
+            shutil.copytree(f"{folder}/a", f"{folder}/b", ignore=shutil.ignore_patterns("*.lock"))
+        printed = command(rank, world, [*RUN, *flags])
+        found[name] = (printed.code, printed.out, printed.err)
+    return found
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in re.findall(r"step\s+(\d+)\s+loss ([0-9.]+)", out)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    found = tmp_path_factory.mktemp("ep_runs")
+    write_models(found)
+    return found
+
+
+@pytest.fixture(scope="module")
+def launched(folder) -> list[dict]:
+    return run_ok(runs, 2, str(folder), deadline=900)
+
+
+def test_ep_that_cannot_work_is_one_line_and_exit_2_on_every_rank_before_the_first_step(folder):
+    per_rank = run_ok(refusals, 2, str(folder), deadline=600)
+    for rank, found in enumerate(per_rank):
+        for name, (_, says) in REFUSALS.items():
+            code, out, err = found[name]
+            assert code == 2, (rank, name, code, err)
+            assert len(err.strip().splitlines()) == 1 and says in err, (rank, name, err)
+            assert "loss" not in out, (rank, name, out)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+def test_ep2_follows_dp2_step_by_step_and_its_checkpoint_resumes_with_ep1_and_on_pp2(launched):
+    found = launched[0]
+    for name in ("ep 2, saved at step 2", "dp 2 without ep", "resumed with ep 1", "resumed on pp 2"):
+        assert found[name][0] == 0, (name, found[name][2])
+    plain = losses(found["dp 2 without ep"][1])
+    with_ep = losses(found["ep 2, saved at step 2"][1])
+    assert sorted(plain) == [0, 1, 2] and sorted(with_ep) == [0, 1]
+    for step, loss in with_ep.items():
+        assert loss == pytest.approx(plain[step], abs=2e-6), step
+    for name in ("resumed with ep 1", "resumed on pp 2"):
+        assert "resumed from" in found[name][1] and "at step 2" in found[name][1], name
+        assert losses(found[name][1]) == pytest.approx({2: plain[2]}, abs=2e-6), name
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+def test_a_checkpoint_saved_with_ep2_exports_whole_experts_that_transformers_loads(
+    launched, folder, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from pipeclock.checkpoints.save_load import load_full_model
+    from pipeclock.cli.dispatch import main
+
+    saved = folder / "a" / "step_000002"
+    assert main(["export", str(saved), "--hf", str(tmp_path / "hf")]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    state, _ = load_full_model(saved)
+    experts = [name for name in state if name.endswith("experts.gate_up_proj")]
+    assert experts and all(state[name].shape[0] == 4 for name in experts), "every expert, under HF's names"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
