@@ -28,6 +28,7 @@ from pipeclock.course.computes import Computes
 from pipeclock.course.learner_file import line_by_line, load_function
 from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
 from pipeclock.course.reference import Case, Reference, close, gap
+from pipeclock.course.saved import HeldMeter
 from pipeclock.model import ShardedMLP
 
 # How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
@@ -132,10 +133,13 @@ class RankCheck:
         self.recorder.restart(self.pipe)
         computes = Computes(chunks, self._identify, self._fallback, self._computed)
         self._put("waits", "for the others to start the step")
+        meter = HeldMeter(lambda: None if computes.current is None else (computes.current, computes.chunk))
         comms.barrier("starting a step")
         self._put("begin")
-        loss = self.call(function, chunks, case)
+        with meter:
+            loss = self.call(function, chunks, case)
         computes.remove()
+        self._put("held", meter.peak)
         self._put("step done")
         self.check_results(chunks, loss)
         self._put("waits", "for the others to finish the step")

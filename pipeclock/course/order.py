@@ -123,6 +123,27 @@ def held_beyond(lab: Lab, ran: dict[int, list[Action]]) -> str | None:
     return None
 
 
+KEPT_HINT = (
+    "a graph lives until its backward frees it: retain_graph=True, or an output kept after its backward, "
+    "keeps every micro-batch's activations alive"
+)
+
+
+def kept_beyond(lab: Lab, kept: list[int]) -> tuple[int, str] | None:
+    """The first rank whose loop, in the schedule's order, kept more micro-batches' saved tensors alive
+    at once than the schedule holds there (``kept``: measured per rank), as (rank, the verdict)."""
+    for rank, want in enumerate(lab.rows()):
+        bound = held(want)
+        if kept[rank] > bound:
+            unit = "micro-batch chunks" if lab.chunks > 1 else "micro-batches"
+            return rank, (
+                f"wrong memory: {lab.title}, rank {rank} kept the saved tensors of {kept[rank]} {unit} alive "
+                f"at once (measured), where {lab.name} holds at most {lab.held_rule(rank, bound)}: the order "
+                f"is right, the memory is not; {KEPT_HINT}"
+            )
+    return None
+
+
 def drawn(rows: Rows, chunks: int = 1) -> str | None:
     """``rows`` as `pipeclock schedule` draws a schedule (F costs 1, B 2), or None when they are not a
     whole step that can run (a micro-batch missing, or an order that waits forever)."""

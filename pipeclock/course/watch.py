@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeclock.course.check_rank import CONSEQUENCE, ORDER, Fault
-from pipeclock.course.order import Lab, divergence, drawn, held_beyond, listed, next_in_schedule
+from pipeclock.course.order import (
+    Lab,
+    divergence,
+    drawn,
+    held_beyond,
+    kept_beyond,
+    listed,
+    next_in_schedule,
+)
 from pipeclock.engine.actions import Action
 
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
@@ -39,6 +47,7 @@ class RankState:
     m: int | None = None  # the current step's micro-batches
     ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
     done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
+    kept: dict[int, int] = field(default_factory=dict)  # per m, the most micro-batches held (measured)
 
     @property
     def blocked(self) -> bool:
@@ -67,6 +76,10 @@ class Watch:
     def ran(self, m: int) -> dict[int, list[Action]]:
         return {rank: state.ran.get(m, []) for rank, state in enumerate(self.states)}
 
+    def kept(self, m: int) -> list[int]:
+        """What each rank held at most in its step with ``m`` micro-batches, measured."""
+        return [state.kept.get(m, 0) for state in self.states]
+
     def follow(self, kind: str, rank: int, case, rest: list, now: float) -> None:
         state = self.states[rank]
         if kind == "fault":
@@ -88,6 +101,8 @@ class Watch:
             state.did, state.waits = rest[0], None
         elif kind == "waits":
             state.waits = rest[0]
+        elif kind == "held":
+            state.kept[case.m] = rest[0]
         elif kind == "step done":
             state.did, state.waits = "finished its step", None
             state.done.add(case.m)
@@ -104,6 +119,9 @@ class Watch:
         ran = self.ran(m)
         found = divergence(lab, ran, complete=True)
         if found is None:
+            kept = kept_beyond(lab, self.kept(m))
+            if kept:
+                self.add(Fault(kept[0], _Nowhere(m), ORDER, now, kept[1]), now)
             return
         lines = [found[1]]
         more = held_beyond(lab, ran)
@@ -117,7 +135,7 @@ class Watch:
         """The paragraph for the earliest fault; a wrong order it follows from is added below it."""
         first = min(self.faults, key=lambda f: f.order)
         if first.tier == ORDER:
-            return f"wrong order: {first.text}"
+            return first.text if first.text.startswith("wrong memory") else f"wrong order: {first.text}"
         if isinstance(first.case, _Nowhere):
             return f"wrong, with {self.world} ranks: {first.text}"
         text = f"wrong, with {self.world} ranks and m = {first.case.m}: {first.text}"
