@@ -24,6 +24,11 @@ FIRST_LINES = {  # file: (lab, the start of the verdict's first line)
         r"wrong memory: 1F1B, p = 2, m = 3, rank 0 kept the saved tensors of 3 micro-batches alive at once "
         r"\(measured\), where 1F1B holds at most 2 \(min\(m, p − r\)\): the order is right, the memory is not",
     ),
+    "interleaved_never_waits_for_its_sends": (
+        7,
+        r"wrong, with 2 ranks and m = 1: rank \d posted the (activation|gradient) of micro-batch 0 to rank "
+        r"\d with comms.isend_tensor and never waited for it: isend_tensor returns at once",
+    ),
 }
 QUICK = ("one_f_one_b_keeps_every_graph",)  # the default suite's share: a few seconds each
 

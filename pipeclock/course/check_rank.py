@@ -33,6 +33,10 @@ from pipeclock.model import ShardedMLP
 
 # How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
 CAUSE, ORDER, RESULT, CONSEQUENCE = 0, 1, 2, 3
+NEVER_WAITED = (
+    "with comms.isend_tensor and never waited for it: isend_tensor returns at once, the send may not have "
+    "left when the step ends; post the sends and wait for them all at the end (.wait() for each)"
+)
 NO_GRAD_HINT = "x.grad stays None unless the input was marked with x.requires_grad_() before the forward"
 
 
@@ -139,6 +143,8 @@ class RankCheck:
         with meter:
             loss = self.call(function, chunks, case)
         computes.remove()
+        if self.recorder.unwaited:
+            self.fault(CAUSE, f"rank {self.rank} posted {self.recorder.unwaited[0]} {NEVER_WAITED}")
         self._put("held", meter.peak)
         self._put("step done")
         self.check_results(chunks, loss)

@@ -92,6 +92,7 @@ class Recorder:
     on_send: Callable[[Message, torch.Tensor], None] = lambda message, tensor: None
     blocked: float = 0.0  # seconds spent inside the calls
     counts: dict[tuple[str, bool], int] = field(default_factory=dict)
+    unwaited: list[str] = field(default_factory=list)  # sends posted and not yet waited for, said
     _originals: dict[str, Callable] = field(default_factory=dict)
 
     def install(self) -> Recorder:
@@ -117,7 +118,7 @@ class Recorder:
 
     def restart(self, pipe: Pipe) -> None:
         """A new step: count the messages from the start again."""
-        self.pipe, self.blocked, self.counts = pipe, 0.0, {}
+        self.pipe, self.blocked, self.counts, self.unwaited = pipe, 0.0, {}, []
 
     # --- the wrapped calls ---------------------------------------------------------------------------
 
@@ -134,11 +135,15 @@ class Recorder:
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
         self.on_send(message, tensor)
         sending = self._originals["isend_tensor"](tensor, dest, tag)
-        self.on_done(f"posted {message} to rank {dest}")
+        posted = f"{message} to rank {dest}"
+        self.on_done(f"posted {posted}")
+        self.unwaited.append(posted)
         recorder = self
 
         class Sending:
             def wait(self) -> None:
+                if posted in recorder.unwaited:
+                    recorder.unwaited.remove(posted)
                 recorder._timed(
                     f"for rank {dest} to take {message}", f"rank {dest} took {message}", sending.wait
                 )
