@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeclock import comms
-from pipeclock.comm_errors import ShapeMismatchError
+from pipeclock.comm_errors import CommError, ShapeMismatchError
 from pipeclock.course.computes import Computes
 from pipeclock.course.learner_file import line_by_line, load_function
 from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
@@ -32,7 +32,8 @@ from pipeclock.course.saved import HeldMeter
 from pipeclock.model import ShardedMLP
 
 # How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
-CAUSE, ORDER, RESULT, CONSEQUENCE = 0, 1, 2, 3
+# A peer's failure seen by a rank (its connection lost) comes last: the rank that failed says why itself.
+CAUSE, ORDER, RESULT, CONSEQUENCE, PEER = 0, 1, 2, 3, 4
 NEVER_WAITED = (
     "with comms.isend_tensor and never waited for it: isend_tensor returns at once, the send may not have "
     "left when the step ends; post the sends and wait for them all at the end (.wait() for each)"
@@ -42,13 +43,16 @@ NO_GRAD_HINT = "x.grad stays None unless the input was marked with x.requires_gr
 
 @dataclass(frozen=True)
 class Fault:
-    """What a rank found wrong: ``tier`` (CAUSE ... CONSEQUENCE) and ``when`` rank the faults of a case."""
+    """What a rank found wrong: ``tier`` (CAUSE ... PEER) and ``when`` rank the faults of a case.
+    ``symptom``: what a wrong order would explain (a wrong number, a shape, a lost peer): when the order
+    went wrong before it, the verdict says the order first."""
 
     rank: int
     case: Case
     tier: int
     when: float
     text: str
+    symptom: bool = False
 
     @property
     def order(self) -> tuple:
@@ -64,7 +68,7 @@ class RankCheck:
         self.case: Case | None = None
         self.reference: Reference | None = None
         self.pipe = Pipe(world, chunks, 1)
-        self.recorder = Recorder(rank, self.pipe, self._waits, self._did, self._sent)
+        self.recorder = Recorder(rank, self.pipe, self._waits, self._did, self._sent, self._message)
 
     # --- reports -----------------------------------------------------------------------------------------
 
@@ -77,8 +81,12 @@ class RankCheck:
     def _did(self, text: str) -> None:
         self._put("did", text)
 
-    def fault(self, tier: int, text: str) -> None:
-        found = Fault(self.rank, self.case, tier, time.monotonic(), text)
+    def _message(self, event: str, peer: int, tag: int, message: Message) -> None:
+        self._put("message", event, peer, tag, message)
+
+    def fault(self, tier: int, text: str, symptom: bool = False) -> None:
+        symptom = symptom or tier >= RESULT
+        found = Fault(self.rank, self.case, tier, time.monotonic(), text, symptom)
         self.events.put(("fault", self.rank, self.case, found))
 
     def _computed(self, action) -> None:
@@ -88,7 +96,7 @@ class RankCheck:
         """Compare a tensor as it leaves with what the one-process model has there."""
         forward = message.kind == ACTIVATION
         if message.microbatch < 0:
-            self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has")
+            self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has", True)
             return
         want = self.reference.sent[message.kind, message.microbatch, message.stage]
         where = f"rank {self.rank}, micro-batch {message.microbatch}, {'forward' if forward else 'backward'}"
@@ -112,6 +120,7 @@ class RankCheck:
                 CAUSE,
                 f"{where}: sent {message} with shape {tuple(tensor.shape)}, "
                 f"the one-process model's has shape {tuple(want.shape)}",
+                True,
             )
         elif not close(tensor, want):
             self.fault(
@@ -119,6 +128,7 @@ class RankCheck:
                 f"{where}: sent a wrong {message.kind}: it differs from the one-process "
                 f"model's by up to {gap(tensor, want):.3g} (largest value {want.abs().max().item():.3g})"
                 f"{ratio_hint(tensor, want)}",
+                True,
             )
 
     # --- running -----------------------------------------------------------------------------------------
@@ -165,8 +175,10 @@ class RankCheck:
         try:
             return function(stage, inputs, targets, case.m)
         except BaseException as error:  # the learner's bug, said in one line with its place in their file
-            # another shape than it expected: what the sender sent, whose own fault comes first
-            tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else CAUSE
+            # another shape than it expected: what the sender sent, whose own fault comes first; a peer
+            # lost: that peer's own fault comes first
+            tier = CAUSE if not isinstance(error, CommError) else PEER
+            tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else tier
             self.fault(tier, f"rank {self.rank} {describe_exception(error, self.learner)}")
             leave(self.events, 1)
 

@@ -81,8 +81,9 @@ class Recorder:
     """Wraps ``comms``' three point-to-point calls while installed; names each message by its place in the
     order ``pipe`` prescribes (the k-th activation a rank sends is its k-th forward's output).
 
-    ``on_wait(text)`` is called before a call blocks, ``on_done(text)`` after it returns, and
-    ``on_send(message, tensor)`` with every tensor sent.
+    ``on_wait(text)`` is called before a call blocks, ``on_done(text)`` after it returns,
+    ``on_send(message, tensor)`` with every tensor sent, and ``on_message(event, peer, tag, message)`` as
+    a send is posted ("send"), a receive starts to wait ("recv") and completes ("received").
     """
 
     rank: int
@@ -90,6 +91,7 @@ class Recorder:
     on_wait: Callable[[str], None] = lambda text: None
     on_done: Callable[[str], None] = lambda text: None
     on_send: Callable[[Message, torch.Tensor], None] = lambda message, tensor: None
+    on_message: Callable[[str, int, int, Message], None] = lambda event, peer, tag, message: None
     blocked: float = 0.0  # seconds spent inside the calls
     counts: dict[tuple[str, bool], int] = field(default_factory=dict)
     unwaited: list[str] = field(default_factory=list)  # sends posted and not yet waited for, said
@@ -125,6 +127,7 @@ class Recorder:
     def send_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
         self.on_send(message, tensor)
+        self.on_message("send", dest, tag, message)
         self._timed(
             f"to send {message} to rank {dest}",
             f"sent {message} to rank {dest}",
@@ -134,6 +137,7 @@ class Recorder:
     def isend_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0):
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
         self.on_send(message, tensor)
+        self.on_message("send", dest, tag, message)
         sending = self._originals["isend_tensor"](tensor, dest, tag)
         posted = f"{message} to rank {dest}"
         self.on_done(f"posted {posted}")
@@ -152,11 +156,15 @@ class Recorder:
 
     def recv_tensor(self, shape, src: int, dtype=torch.float32, tag: int = 0) -> torch.Tensor:
         message = self._next(self._kind(src, tag, sent=False), sent=False)
-        return self._timed(
-            f"for {message} from rank {src}",
+        on = f" on tag {tag}" if tag else ""
+        self.on_message("recv", src, tag, message)
+        received = self._timed(
+            f"for {message} from rank {src}{on}",
             f"received {message} from rank {src}",
             lambda: self._originals["recv_tensor"](shape, src, dtype, tag),
         )
+        self.on_message("received", src, tag, message)
+        return received
 
     # --- naming and timing ---------------------------------------------------------------------------
 

@@ -10,21 +10,15 @@ seconds once all had started), or when a process is lost. A fault that a wrong o
 from __future__ import annotations
 
 import queue
-import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeclock.course.check_rank import CONSEQUENCE, ORDER, Fault
-from pipeclock.course.order import (
-    Lab,
-    divergence,
-    drawn,
-    held_beyond,
-    kept_beyond,
-    listed,
-    next_in_schedule,
-)
+from pipeclock.course.check_rank import ORDER, PEER, Fault
+from pipeclock.course.order import Lab, divergence, drawn, held_beyond, kept_beyond, listed
+from pipeclock.course.recorder import Message
+from pipeclock.course.stuck import deadlock
 from pipeclock.engine.actions import Action
 
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
@@ -48,6 +42,18 @@ class RankState:
     ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
     done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
     kept: dict[int, int] = field(default_factory=dict)  # per m, the most micro-batches held (measured)
+    sent: Counter = field(default_factory=Counter)  # this step's messages sent (or posted): (to, tag)
+    received: Counter = field(default_factory=Counter)  # this step's messages received: (from, tag)
+    receiving: tuple[int, int, Message] | None = None  # the receive it waits in: (from, tag, message)
+
+    def message(self, event: str, peer: int, tag: int, message: Message) -> None:
+        if event == "send":
+            self.sent[peer, tag] += 1
+        elif event == "recv":
+            self.receiving = (peer, tag, message)
+        else:
+            self.received[peer, tag] += 1
+            self.receiving = None
 
     @property
     def blocked(self) -> bool:
@@ -87,7 +93,7 @@ class Watch:
         elif kind == "lost":
             where = "" if case is not None else " before its first step"
             text = f"rank {rank} stopped{where}: {rest[0]}"
-            self.add(Fault(rank, case or _Nowhere(10**6), CONSEQUENCE, now, text), now)
+            self.add(Fault(rank, case or _Nowhere(10**6), PEER, now, text, True), now)
         elif kind == "started":
             state.started = True
         elif kind == "finished":
@@ -95,6 +101,9 @@ class Watch:
         elif kind == "begin":
             state.m, state.did, state.waits = case.m, "started its step", None
             state.ran[case.m] = []
+            state.sent, state.received = Counter(), Counter()
+        elif kind == "message":
+            state.message(*rest)
         elif kind == "computed":
             state.ran.setdefault(case.m, []).append(Action(*rest[0]))
         elif kind == "did":
@@ -140,6 +149,8 @@ class Watch:
             return f"wrong, with {self.world} ranks: {first.text}"
         text = f"wrong, with {self.world} ranks and m = {first.case.m}: {first.text}"
         found = divergence(self.lab_of(first.case.m), self.ran(first.case.m), complete=False)
+        if found and first.symptom:  # the order is the cause, what was seen follows from it
+            return f"wrong order: {found[1]}\n  what followed, with {self.world} ranks: {first.text}"
         return text + (f"\n  it follows from the order: {found[1]}" if found else "")
 
 
@@ -185,7 +196,7 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
         if moved_at is not None and now - moved_at > STALL and stuck(states):
             raise Verdict(deadlock(seen, now - moved_at))
         if moved_at is not None and now - moved_at > SILENCE:  # a rank computes forever
-            raise Verdict(deadlock(seen, now - moved_at).replace("deadlock", "no progress", 1))
+            raise Verdict(deadlock(seen, now - moved_at, "no progress"))
         if moved_at is None and now - started_at > START_LIMIT:
             raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
     return seen
@@ -199,34 +210,3 @@ def stuck(states: list[RankState]) -> bool:
 
 def all_stopped(states: list[RankState], processes) -> bool:
     return all(not p.is_alive() or s.finished for s, p in zip(states, processes, strict=True))
-
-
-def deadlock(seen: Watch, still: float) -> str:
-    """Who waits for what, beside what the schedule runs there; the wrong order that led there, if any."""
-    states, world = seen.states, seen.world
-    m = next((s.m for s in states if s.m is not None), None)
-    shown = m if m is not None else "?"
-    lines = [f"deadlock, with {world} ranks and m = {shown}: no rank has moved for {still:.0f}s"]
-    lab = seen.lab_of(m) if m is not None else None
-    found = divergence(lab, seen.ran(m), complete=False) if lab else None
-    if found:
-        lines.append(f"  it follows from the order: {found[1]}")
-    for rank, state in enumerate(states):
-        peer = re.search(r"(from|to) rank (\d+)$", state.waits or "")
-        if peer and states[int(peer[2])].did == "finished its step":
-            never = "sending it" if peer[1] == "from" else "taking it"
-            lines.append(f"  rank {rank} waits {state.waits}, which finished its step without {never}")
-    lines.append("what each rank did last, what it waits for, and what the schedule runs there:")
-    for rank, state in enumerate(states):
-        expected = next_in_schedule(lab, rank, state.ran.get(m, [])) if lab else ""
-        lines.append(
-            f"  rank {rank}: last did: {state.did}; {_now_doing(state)}"
-            + (f"; {expected}" if expected else "")
-        )
-    return "\n".join(lines)
-
-
-def _now_doing(state: RankState) -> str:
-    if state.finished:
-        return "it is done"
-    return f"waits {state.waits}" if state.waits else "computes, in no message (an endless loop?)"
