@@ -51,6 +51,21 @@ FIRST_LINES = {  # file: (lab, the start of the verdict's first line)
         "wrong order: 1F1B, p = 4, m = 2, rank 0: after B1 the schedule's step is over; your loop waits for "
         "one gradient more than the step has from rank 1",
     ),
+    "interleaved_runs_its_chunks_depth_first": (  # exact numbers: the order is the fault
+        7,
+        "wrong order: interleaved 1F1B, p = 2, v = 2, m = 3, rank 0: after F0 the schedule runs F1 (warm-up "
+        "2(p − r − 1) + (v − 1)p = 4 forwards …); your loop ran F0.1",
+    ),
+    "interleaved_plans_the_short_round_alone": (
+        7,
+        "wrong order: interleaved 1F1B, p = 2, v = 2, m = 3, rank 0: after B0.1 the schedule runs B1.1 (…); "
+        "your loop ran F2.1",
+    ),
+    "gpipe_skips_the_last_backward": (  # the step ended short: no gradient follows from it
+        5,
+        "wrong order: GPipe, p = 2, m = 1, rank 1: after F0 the schedule runs B0 (drain: the backwards in "
+        "the forwards' order); your loop's step ended there",
+    ),
     # the memory is the lesson
     "one_f_one_b_keeps_every_graph": (
         6,
@@ -83,7 +98,60 @@ FIRST_LINES = {  # file: (lab, the start of the verdict's first line)
         "wrong, with 2 ranks and m = 1: rank … posted the … of micro-batch 0 to rank … with "
         "comms.isend_tensor and never waited for it: isend_tensor returns at once",
     ),
+    "interleaved_sends_gradients_on_the_activations_tag": (
+        7,
+        "wrong, with 2 ranks and m = 1: rank 1 sent the gradient of micro-batch 0 with tag 0, the "
+        "activations' tag: activations travel with tag 0 and gradients with tag 1",
+    ),
+    "interleaved_swaps_the_ring": (
+        7,
+        "wrong, with 4 ranks and m = 2: rank 0 sent the activation of micro-batch 0 (leaving virtual stage "
+        "0) to rank 3; virtual stage 1 is rank 1's; round the ring, rank p − 1 sends to rank 0",
+    ),
+    "gpipe_sends_the_micro_batches_out_of_order": (
+        5,
+        "wrong, with 2 ranks and m = 3: rank 0, micro-batch 0, forward: sent an activation that is "
+        "micro-batch 1's, where micro-batch 0's is due",
+    ),
+    "gpipe_forgets_to_split_the_batch": (
+        5,
+        "wrong, with 2 ranks and m = 3: rank 0, micro-batch 0, forward: sent the activation of micro-batch "
+        "0 with shape (11, 8), the one-process model's has shape (4, 8): the whole batch, not a micro-batch",
+    ),
+    "naive_sends_before_the_backward_is_done": (
+        4,
+        "wrong, with 4 ranks and m = 2: rank 2, micro-batch 0, backward: sent a wrong gradient: … it is all "
+        "zeros (sent before the backward computed it?)",
+    ),
+    # the loss and the gradients
+    "naive_forgets_to_weight_the_loss": (
+        4,
+        "wrong, with 2 ranks and m = 3: rank 1, micro-batch 0, backward: sent a wrong gradient: … it is 2.75 "
+        "times the right one (a loss weighted by the wrong count?)",
+    ),
+    "naive_returns_no_loss": (
+        4,
+        "wrong, with 2 ranks and m = 1: rank 1 returned the loss None; the batch's loss",
+    ),
+    "gpipe_returns_the_last_micro_batch_loss": (
+        5,
+        "wrong, with 2 ranks and m = 3: rank 1 returned the loss 0.30…; the batch's loss is 11.2606",
+    ),
+    "gpipe_zeroes_the_gradients_between_micro_batches": (
+        5,
+        "wrong, with 2 ranks and m = 3: rank 0: the gradient of layers.0.weight differs … it is micro-batch "
+        "2's share alone (were the gradients zeroed between backwards?)",
+    ),
     # the rank whose own code failed, above what its peers saw
+    "one_f_one_b_backward_without_the_gradient": (
+        6,
+        "wrong, with 2 ranks and m = 1: rank 0 raised RuntimeError: grad can be implicitly created only for "
+        "scalar outputs (line 37 of",
+    ),
+    "interleaved_warms_up_like_1f1b": (  # its own line: it pops a chunk's forward it never ran
+        7,
+        "wrong, with 2 ranks and m = 1: rank 0 raised KeyError: (0, 1) (line 43 of",
+    ),
     "one_f_one_b_warms_up_past_m": (
         6,
         "wrong, with 4 ranks and m = 2: rank 0 raised IndexError: list index out of range (line 23 of",
@@ -143,7 +211,7 @@ def first_line(name: str) -> str:
 def test_the_set_holds_thirty_wrong_loops_each_with_its_first_line():
     files = {path.stem for path in WRONG.glob("*.py")}
     assert files == set(FIRST_LINES), files ^ set(FIRST_LINES)
-    assert len(files) >= 19
+    assert len(files) >= 30
 
 
 @pytest.mark.slow

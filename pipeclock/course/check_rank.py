@@ -26,7 +26,7 @@ from pipeclock import comms
 from pipeclock.comm_errors import CommError, ShapeMismatchError
 from pipeclock.course.computes import Computes
 from pipeclock.course.learner_file import line_by_line, load_function
-from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
+from pipeclock.course.recorder import ACTIVATION, GRADIENT, Message, Pipe, Recorder
 from pipeclock.course.reference import Case, Reference, close, gap
 from pipeclock.course.saved import HeldMeter
 from pipeclock.model import ShardedMLP
@@ -56,7 +56,8 @@ class Fault:
 
     @property
     def order(self) -> tuple:
-        return (self.case.m, self.tier, self.when)
+        # the results are checked at each step's end, on every rank: the lowest rank's comes first
+        return (self.case.m, self.tier, self.rank if self.tier == RESULT else 0, self.when)
 
 
 class RankCheck:
@@ -83,6 +84,21 @@ class RankCheck:
 
     def _message(self, event: str, peer: int, tag: int, message: Message) -> None:
         self._put("message", event, peer, tag, message)
+        if event == "send" and message.microbatch >= 0:
+            self.check_destination(peer, message)
+
+    def check_destination(self, dest: int, message: Message) -> None:
+        """A message goes to the rank of the next virtual stage (an activation) or the previous one."""
+        forward = message.kind == ACTIVATION
+        stage = message.stage + (1 if forward else -1)
+        owner = stage % self.world
+        if dest != owner:
+            ring = "; round the ring, rank p − 1 sends to rank 0" if self.chunks > 1 and forward else ""
+            self.fault(
+                CAUSE,
+                f"rank {self.rank} sent {message} (leaving virtual stage {message.stage}) to rank {dest}; "
+                f"virtual stage {stage} is rank {owner}'s{ring}",
+            )
 
     def fault(self, tier: int, text: str, symptom: bool = False) -> None:
         symptom = symptom or tier >= RESULT
@@ -95,6 +111,8 @@ class RankCheck:
     def _sent(self, message: Message, tensor: torch.Tensor) -> None:
         """Compare a tensor as it leaves with what the one-process model has there."""
         forward = message.kind == ACTIVATION
+        if self.chunks > 1 and self.on_the_other_tag(message, tensor):
+            return
         if message.microbatch < 0:
             self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has", True)
             return
@@ -112,14 +130,22 @@ class RankCheck:
             due = f" (shape {tuple(want.shape)})" if shapes else ""
             self.fault(
                 CAUSE,
-                f"{where}: sent a {message.kind} that is micro-batch {other}'s{shapes}, "
+                f"{where}: sent {article(message.kind)} that is micro-batch {other}'s{shapes}, "
                 f"where micro-batch {message.microbatch}'s{due} is due",
             )
         elif tensor.shape != want.shape:
             self.fault(
                 CAUSE,
                 f"{where}: sent {message} with shape {tuple(tensor.shape)}, "
-                f"the one-process model's has shape {tuple(want.shape)}",
+                f"the one-process model's has shape {tuple(want.shape)}{self.whole_batch(tensor)}",
+                True,
+            )
+        elif not close(tensor, want) and (found := self.reference.anywhere(message.kind, tensor)):
+            self.fault(
+                CAUSE,
+                f"{where}: sent the {message.kind} of micro-batch {found[0]} leaving virtual stage "
+                f"{found[1]}, where micro-batch {message.microbatch}'s leaving virtual stage "
+                f"{message.stage} is due",
                 True,
             )
         elif not close(tensor, want):
@@ -130,6 +156,27 @@ class RankCheck:
                 f"{ratio_hint(tensor, want)}",
                 True,
             )
+
+    def whole_batch(self, tensor: torch.Tensor) -> str:
+        if tensor.dim() and tensor.shape[0] == self.case.batch and self.case.m > 1:
+            return ": the whole batch, not a micro-batch (cut it with schedule.split_microbatches)"
+        return ""
+
+    def on_the_other_tag(self, message: Message, tensor) -> bool:
+        """Round a ring the tag says which stream a message is: a gradient sent with the activations' tag
+        (or the other way round) is named so."""
+        other = GRADIENT if message.kind == ACTIVATION else ACTIVATION
+        found = self.reference.anywhere(other, tensor) if isinstance(tensor, torch.Tensor) else None
+        if found is None or self.reference.anywhere(message.kind, tensor) is not None:
+            return False
+        tag = 0 if message.kind == ACTIVATION else 1
+        self.fault(
+            CAUSE,
+            f"rank {self.rank} sent the {other} of micro-batch {found[0]} with tag {tag}, the "
+            f"{message.kind}s' tag: activations travel with tag 0 and gradients with tag 1, so that the two "
+            "streams between two ranks never mix",
+        )
+        return True
 
     # --- running -----------------------------------------------------------------------------------------
 
@@ -158,6 +205,7 @@ class RankCheck:
         self._put("held", meter.peak)
         self._put("step done")
         self.check_results(chunks, loss)
+        self._put("checked")
         self._put("waits", "for the others to finish the step")
         comms.barrier("ending a step")
 
@@ -213,7 +261,13 @@ class RankCheck:
                 return f": micro-batch {i}'s backward never reached it"
             if close(got, want + share[name]):
                 return f": micro-batch {i}'s backward reached it twice"
+            if len(self.reference.shares) > 1 and close(got, share[name]):
+                return f": it is micro-batch {i}'s share alone (were the gradients zeroed between backwards?)"
         return ratio_hint(got, want)
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 
 
 def ratio_hint(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -221,6 +275,8 @@ def ratio_hint(got: torch.Tensor, want: torch.Tensor) -> str:
     denominator = (want * want).sum().item()
     if denominator == 0:
         return ""
+    if not got.detach().any():
+        return "; it is all zeros (sent before the backward computed it?)"
     scale = (got.detach().float() * want).sum().item() / denominator
     if abs(scale - 1) > 1e-3 and close(got, want * scale):
         return f"; it is {scale:.4g} times the right one (a loss weighted by the wrong count?)"

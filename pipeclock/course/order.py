@@ -78,18 +78,20 @@ class Lab:
         return f"{most} ({rule})" if rule and rule != str(most) else str(most)
 
 
-def divergence(lab: Lab, ran: dict[int, list[Action]], complete: bool) -> tuple[tuple[int, int], str] | None:
+def divergence(
+    lab: Lab, ran: dict[int, list[Action]], complete: bool, ended: frozenset[int] = frozenset()
+) -> tuple[tuple[int, int], str] | None:
     """The first place a rank's loop left the schedule, as ((position, rank), the line that says it), or
-    None. With ``complete`` false the lists may still grow: only a wrong action counts, not a missing
-    one. Among ranks the earliest position wins, then the lowest rank, so the answer never depends on
-    which rank reported first."""
+    None. With ``complete`` false the lists may still grow (but those of the ranks in ``ended``, whose
+    step is over): only a wrong action counts, not a missing one. Among ranks the earliest position
+    wins, then the lowest rank, so the answer never depends on which rank reported first."""
     found = []
     for rank, want in enumerate(lab.rows()):
         got = ran.get(rank, [])
         k = next(
             (k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
         )
-        if k == len(got) == len(want) or (k == len(got) and not complete):
+        if k == len(got) == len(want) or (k == len(got) and not complete and rank not in ended):
             continue
         before = f"after {got[k - 1]}" if k else "at its first action"
         head = f"{lab.title}, rank {rank}: {before}"

@@ -126,8 +126,8 @@ class Recorder:
 
     def send_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
-        self.on_send(message, tensor)
         self.on_message("send", dest, tag, message)
+        self.on_send(message, tensor)
         self._timed(
             f"to send {message} to rank {dest}",
             f"sent {message} to rank {dest}",
@@ -136,8 +136,8 @@ class Recorder:
 
     def isend_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0):
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
-        self.on_send(message, tensor)
         self.on_message("send", dest, tag, message)
+        self.on_send(message, tensor)
         sending = self._originals["isend_tensor"](tensor, dest, tag)
         posted = f"{message} to rank {dest}"
         self.on_done(f"posted {posted}")

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeclock.course.check_rank import ORDER, PEER, Fault
+from pipeclock.course.check_rank import ORDER, PEER, RESULT, Fault
 from pipeclock.course.order import Lab, divergence, drawn, held_beyond, kept_beyond, listed
 from pipeclock.course.recorder import Message
 from pipeclock.course.stuck import deadlock
@@ -25,6 +25,7 @@ STALL = 4.0  # seconds without any rank completing a call, all ranks started: a 
 SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
 START_LIMIT = 120.0  # seconds for the processes to start and load the file
 BETWEEN_STEPS = "for the others to"  # how a rank waiting between two steps says so
+RESULTS_LIMIT = 5.0  # seconds to wait for every rank's results, a result being the first fault
 GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
 
 
@@ -41,6 +42,7 @@ class RankState:
     m: int | None = None  # the current step's micro-batches
     ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
     done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
+    checked: set[int] = field(default_factory=set)  # the m's whose results this rank has checked
     kept: dict[int, int] = field(default_factory=dict)  # per m, the most micro-batches held (measured)
     sent: Counter = field(default_factory=Counter)  # this step's messages sent (or posted): (to, tag)
     received: Counter = field(default_factory=Counter)  # this step's messages received: (from, tag)
@@ -112,11 +114,23 @@ class Watch:
             state.waits = rest[0]
         elif kind == "held":
             state.kept[case.m] = rest[0]
+        elif kind == "checked":
+            state.checked.add(case.m)
         elif kind == "step done":
             state.did, state.waits = "finished its step", None
             state.done.add(case.m)
             if all(case.m in s.done for s in self.states):
                 self.check_order(case.m, now)
+
+    def settled(self, now: float) -> bool:
+        """Whether the earliest fault can be named: ``GRACE`` after the first one, and, when it is a
+        result checked at the step's end, once every rank has checked its own (or ``RESULTS_LIMIT``)."""
+        if now - self.first_at <= GRACE:
+            return False
+        first = min(self.faults, key=lambda f: f.order)
+        if first.tier != RESULT or now - self.first_at > RESULTS_LIMIT:
+            return True
+        return all(first.case.m in state.checked for state in self.states)
 
     def add(self, fault: Fault, now: float) -> None:
         self.faults.append(fault)
@@ -148,7 +162,9 @@ class Watch:
         if isinstance(first.case, _Nowhere):
             return f"wrong, with {self.world} ranks: {first.text}"
         text = f"wrong, with {self.world} ranks and m = {first.case.m}: {first.text}"
-        found = divergence(self.lab_of(first.case.m), self.ran(first.case.m), complete=False)
+        m = first.case.m
+        ended = frozenset(rank for rank, state in enumerate(self.states) if m in state.done)
+        found = divergence(self.lab_of(m), self.ran(m), complete=False, ended=ended)
         if found and first.symptom:  # the order is the cause, what was seen follows from it
             return f"wrong order: {found[1]}\n  what followed, with {self.world} ranks: {first.text}"
         return text + (f"\n  it follows from the order: {found[1]}" if found else "")
@@ -185,7 +201,7 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
             seen.follow(kind, rank, case, rest, now)
             if all(state.started for state in states):
                 moved_at = now  # any report is news: a rank that starts to wait was busy until then
-        if seen.faults and (now - seen.first_at > GRACE or all_stopped(states, processes)):
+        if seen.faults and (seen.settled(now) or all_stopped(states, processes)):
             raise Verdict(seen.verdict())
         if seen.faults:
             continue
