@@ -12,24 +12,25 @@ below give each rank's last call and wait beside what the schedule runs there.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from pipeclock.course.order import Lab, divergence, next_in_schedule
+from pipeclock.course.rank_state import RankState
 from pipeclock.course.recorder import ACTIVATION, Message
 from pipeclock.engine.actions import Action
 
-if TYPE_CHECKING:
-    from pipeclock.course.watch import RankState, Watch
 
-
-def deadlock(seen: Watch, still: float, word: str = "deadlock") -> str:
+def deadlock(
+    states: list[RankState], lab_of: Callable[[int], Lab], still: float, word: str = "deadlock"
+) -> str:
     """The paragraph for ranks that have not moved for ``still`` seconds, its cause first."""
-    states, world = seen.states, seen.world
+    world = len(states)
     m = next((s.m for s in states if s.m is not None), None)
-    lab = seen.lab_of(m) if m is not None else None
+    lab = lab_of(m) if m is not None else None
     shown = m if m is not None else "?"
     head = f"{word}, with {world} ranks and m = {shown}: no rank has moved for {still:.0f}s"
-    found = divergence(lab, seen.ran(m), complete=False) if lab else None
+    ran = {rank: state.ran.get(m, []) for rank, state in enumerate(states)}
+    found = divergence(lab, ran, complete=False) if lab else None
     order = found[1] if found else (waits_out_of_order(lab, states, m) if lab else None)
     cause = never_sent(states)
     if order:

@@ -17,55 +17,19 @@ from dataclasses import dataclass, field
 
 from pipeclock.course.check_rank import ORDER, PEER, RESULT, Fault
 from pipeclock.course.order import Lab, divergence, drawn, held_beyond, kept_beyond, listed
-from pipeclock.course.recorder import Message
+from pipeclock.course.rank_state import RankState
 from pipeclock.course.stuck import deadlock
 from pipeclock.engine.actions import Action
 
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
 SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
 START_LIMIT = 120.0  # seconds for the processes to start and load the file
-BETWEEN_STEPS = "for the others to"  # how a rank waiting between two steps says so
 RESULTS_LIMIT = 5.0  # seconds to wait for every rank's results, a result being the first fault
 GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
 
 
 class Verdict(Exception):
     """The check's answer when something is wrong: ``str`` is the paragraph to print."""
-
-
-@dataclass
-class RankState:
-    started: bool = False
-    finished: bool = False
-    did: str = "nothing yet"
-    waits: str | None = None
-    m: int | None = None  # the current step's micro-batches
-    ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
-    done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
-    checked: set[int] = field(default_factory=set)  # the m's whose results this rank has checked
-    kept: dict[int, int] = field(default_factory=dict)  # per m, the most micro-batches held (measured)
-    sent: Counter = field(default_factory=Counter)  # this step's messages sent (or posted): (to, tag)
-    received: Counter = field(default_factory=Counter)  # this step's messages received: (from, tag)
-    receiving: tuple[int, int, Message] | None = None  # the receive it waits in: (from, tag, message)
-
-    def message(self, event: str, peer: int, tag: int, message: Message) -> None:
-        if event == "send":
-            self.sent[peer, tag] += 1
-        elif event == "recv":
-            self.receiving = (peer, tag, message)
-        else:
-            self.received[peer, tag] += 1
-            self.receiving = None
-
-    @property
-    def blocked(self) -> bool:
-        """Waiting in a call (or done): a rank that cannot move by itself."""
-        return self.finished or self.waits is not None
-
-    @property
-    def in_loop(self) -> bool:
-        """Waiting in one of the learner's calls, not between two steps."""
-        return self.waits is not None and not self.waits.startswith(BETWEEN_STEPS)
 
 
 @dataclass
@@ -210,9 +174,9 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
             code = processes[lost[0]].exitcode
             raise Verdict(f"rank {lost[0]} ended without finishing (exit code {code}), with {world} ranks")
         if moved_at is not None and now - moved_at > STALL and stuck(states):
-            raise Verdict(deadlock(seen, now - moved_at))
+            raise Verdict(deadlock(seen.states, seen.lab_of, now - moved_at))
         if moved_at is not None and now - moved_at > SILENCE:  # a rank computes forever
-            raise Verdict(deadlock(seen, now - moved_at, "no progress"))
+            raise Verdict(deadlock(seen.states, seen.lab_of, now - moved_at, "no progress"))
         if moved_at is None and now - started_at > START_LIMIT:
             raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
     return seen
