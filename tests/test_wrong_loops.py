@@ -161,10 +161,10 @@ FIRST_LINES = {  # file: (lab, the start of the verdict's first line)
         "wrong order: 1F1B, p = 2, m = 3, rank 0: after F1 the schedule runs B0 (warm-up p − r − 1 = 1); "
         "your loop ran B1",
     ),
-    "one_f_one_b_rank_0_reverses_its_cool_down": (
+    "one_f_one_b_rank_0_reverses_its_cool_down": (  # its receive's shape says which backward it runs
         6,
-        "wrong, with 4 ranks and m = 2: rank 0 raised ShapeMismatchError: rank 0 expected shape (5, 8) "
-        "float32 from rank 1, but rank 1 sent shape (6, 8)",
+        "wrong, with 4 ranks and m = 2: rank 0 asked for the gradient of micro-batch 0 with micro-batch 1's "
+        "shape (5, 8): its loop runs B1 where the schedule runs B0",
     ),
     # deadlocks, said by the message never sent
     "one_f_one_b_forgets_a_send": (

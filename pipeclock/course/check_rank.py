@@ -227,8 +227,29 @@ class RankCheck:
             # lost: that peer's own fault comes first
             tier = CAUSE if not isinstance(error, CommError) else PEER
             tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else tier
+            asked = self.asked_for_another() if isinstance(error, ShapeMismatchError) else None
+            if asked:
+                self.fault(CAUSE, asked, True)  # a wrong order, when one is seen, says it first
             self.fault(tier, f"rank {self.rank} {describe_exception(error, self.learner)}")
             leave(self.events, 1)
+
+    def asked_for_another(self) -> str | None:
+        """A receive that asked for another micro-batch's shape than the message due there: the
+        receiver's own loop is on another micro-batch than its schedule."""
+        if self.recorder.asked is None or self.recorder.asked[0].microbatch < 0:
+            return None
+        message, shape = self.recorder.asked
+        forward = message.kind == ACTIVATION
+        sender = message.stage - 1 if forward else message.stage + 1
+        shapes = [tuple(self.reference.sent[message.kind, i, sender].shape) for i in range(self.case.m)]
+        if shape is None or shape == shapes[message.microbatch] or shape not in shapes:
+            return None
+        other = shapes.index(shape)
+        op = "F" if forward else "B"
+        return (
+            f"rank {self.rank} asked for {message} with micro-batch {other}'s shape {shape}: its loop runs "
+            f"{op}{other} where the schedule runs {op}{message.microbatch}"
+        )
 
     def check_results(self, chunks: list[ShardedMLP], loss) -> None:
         last = self.rank == self.world - 1

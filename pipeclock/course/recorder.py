@@ -95,6 +95,7 @@ class Recorder:
     blocked: float = 0.0  # seconds spent inside the calls
     counts: dict[tuple[str, bool], int] = field(default_factory=dict)
     unwaited: list[str] = field(default_factory=list)  # sends posted and not yet waited for, said
+    asked: tuple[Message, tuple] | None = None  # the receive under way: its message, the shape asked
     _originals: dict[str, Callable] = field(default_factory=dict)
 
     def install(self) -> Recorder:
@@ -158,12 +159,14 @@ class Recorder:
         message = self._next(self._kind(src, tag, sent=False), sent=False)
         on = f" on tag {tag}" if tag else ""
         self.on_message("recv", src, tag, message)
+        self.asked = (message, tuple(shape) if shape is not None else None)
         received = self._timed(
             f"for {message} from rank {src}{on}",
             f"received {message} from rank {src}",
             lambda: self._originals["recv_tensor"](shape, src, dtype, tag),
         )
         self.on_message("received", src, tag, message)
+        self.asked = None
         return received
 
     # --- naming and timing ---------------------------------------------------------------------------
