@@ -31,6 +31,7 @@ SLOWEST_FIRST = (
     "test_whole_runs",  # 76-95 s, `long` (on 2 cores under a load average of 6)
     "test_compile",  # 70-90 s with `long` (inductor compiles), 16-30 s without
     "test_walkthrough",  # 45 s, `long`
+    "test_wrong_loops",  # 4 s, 75 s with `long` (33 checks, a few of them deadlocks)
     "test_optimizer",  # 30 s, 70 s with `long`
     "test_docs",  # 120 s
     "test_pipeline_matrix",  # 85-100 s

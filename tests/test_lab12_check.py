@@ -49,6 +49,31 @@ ANSWERS = {
     "sums_on_rank_0_only": (
         r"wrong, with 2 ranks: rank 1: RowParallelLinear's output is this rank's partial product"
     ),
+    # right numbers, wrong code: the page's words
+    "column_sums_the_handed_gradient_in_place": (
+        r"wrong, with 2 ranks: rank 0: SumGradientsOverRanks's backward all-reduces the gradient it was "
+        r"handed in place \(line \d+ of \S+: `dist.all_reduce\(grad\)`\): the sum works in place: all-reduce "
+        r"a copy \(grad.clone\(\)\); the gradient handed to a backward may be used elsewhere in the graph"
+    ),
+    "row_sums_its_input_in_place": (
+        r"wrong, with 2 ranks: rank 0: SumOverRanks's forward all-reduces its own input in place .*: the "
+        r"sum works in place: all-reduce a copy \(x.clone\(\)\); a Function that changes its input in place "
+        r"must tell autograd so \(ctx.mark_dirty\)"
+    ),
+    "row_all_reduces_bare_in_its_forward": (
+        r"wrong, with 2 ranks: rank 0: a bare dist.all_reduce in a forward \(line \d+ .*\): autograd passes "
+        r"the gradient through an operation it does not know; torch warns that this \"may lead to silently "
+        r"incorrect behavior\""
+    ),
+    "column_sums_its_output_forward": (
+        r"wrong, with 2 ranks: rank 0: ColumnParallelLinear's forward calls all_reduce \(line \d+ .*\): a "
+        r"column split's forward needs no sum"
+    ),
+    "column_splits_unevenly": (
+        r"wrong, with 2 ranks: rank 0: ColumnParallelLinear\.weight has shape \(33, 16\), this rank's share "
+        r"of the \(64, 16\) weight is \(32, 16\): the right dim, an uneven share: rank 0 keeps 33 rows where "
+        r"each rank keeps 32"
+    ),
     "column_waits_for_a_message_nobody_sends": (
         r"stuck, with 2 ranks: no rank moved for 3s \(rank 0 is still in ColumnParallelLinear's forward; "
         r"rank 1 is still in ColumnParallelLinear's forward\): a collective or a message that not every rank"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pipeclock.course.check_rank import run_rank
 from pipeclock.course.learner_file import LoadError, probe
-from pipeclock.course.order import Lab, drawn, held
+from pipeclock.course.order import Lab, drawn
 from pipeclock.course.reference import Case
 from pipeclock.course.watch import Verdict, Watch, watch
 
@@ -74,7 +74,7 @@ def check(lab: int, learner: Path) -> str:
 
 def answer(exercise: Exercise, watched: list[Watch]) -> str:
     """All good: the cases run, the largest step whose drawing fits a terminal, and what each rank held
-    at most in it."""
+    at most in it (measured: the micro-batches whose saved tensors were alive at once)."""
     counts = "; ".join(f"p = {w}: m = {', '.join(str(c.m) for c in exercise.cases(w))}" for w in RANK_COUNTS)
     steps = [(seen, case.m) for seen in watched for case in exercise.cases(seen.world)]
     for seen, m in reversed(steps):
@@ -84,7 +84,7 @@ def answer(exercise: Exercise, watched: list[Watch]) -> str:
             break
     lab = exercise.lab_of(seen.world)(m)
     unit = "micro-batch chunks" if exercise.chunks > 1 else "micro-batches"
-    peaks = " ".join(str(held(row)) for row in rows)
+    peaks = " ".join(map(str, seen.kept(m)))
     rule = {"naive": "1", "gpipe": "m", "1f1b": "min(m, p − r)"}.get(exercise.schedule)
     return "\n".join(
         [

@@ -23,31 +23,41 @@ import torch
 import torch.distributed as dist
 
 from pipeclock import comms
-from pipeclock.comm_errors import ShapeMismatchError
+from pipeclock.comm_errors import CommError, ShapeMismatchError
 from pipeclock.course.computes import Computes
 from pipeclock.course.learner_file import line_by_line, load_function
-from pipeclock.course.recorder import ACTIVATION, Message, Pipe, Recorder
+from pipeclock.course.recorder import ACTIVATION, GRADIENT, Message, Pipe, Recorder
 from pipeclock.course.reference import Case, Reference, close, gap
+from pipeclock.course.saved import HeldMeter
 from pipeclock.model import ShardedMLP
 
 # How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
-CAUSE, ORDER, RESULT, CONSEQUENCE = 0, 1, 2, 3
+# A peer's failure seen by a rank (its connection lost) comes last: the rank that failed says why itself.
+CAUSE, ORDER, RESULT, CONSEQUENCE, PEER = 0, 1, 2, 3, 4
+NEVER_WAITED = (
+    "with comms.isend_tensor and never waited for it: isend_tensor returns at once, the send may not have "
+    "left when the step ends; post the sends and wait for them all at the end (.wait() for each)"
+)
 NO_GRAD_HINT = "x.grad stays None unless the input was marked with x.requires_grad_() before the forward"
 
 
 @dataclass(frozen=True)
 class Fault:
-    """What a rank found wrong: ``tier`` (CAUSE ... CONSEQUENCE) and ``when`` rank the faults of a case."""
+    """What a rank found wrong: ``tier`` (CAUSE ... PEER) and ``when`` rank the faults of a case.
+    ``symptom``: what a wrong order would explain (a wrong number, a shape, a lost peer): when the order
+    went wrong before it, the verdict says the order first."""
 
     rank: int
     case: Case
     tier: int
     when: float
     text: str
+    symptom: bool = False
 
     @property
     def order(self) -> tuple:
-        return (self.case.m, self.tier, self.when)
+        # the results are checked at each step's end, on every rank: the lowest rank's comes first
+        return (self.case.m, self.tier, self.rank if self.tier == RESULT else 0, self.when)
 
 
 class RankCheck:
@@ -59,7 +69,7 @@ class RankCheck:
         self.case: Case | None = None
         self.reference: Reference | None = None
         self.pipe = Pipe(world, chunks, 1)
-        self.recorder = Recorder(rank, self.pipe, self._waits, self._did, self._sent)
+        self.recorder = Recorder(rank, self.pipe, self._waits, self._did, self._sent, self._message)
 
     # --- reports -----------------------------------------------------------------------------------------
 
@@ -72,8 +82,27 @@ class RankCheck:
     def _did(self, text: str) -> None:
         self._put("did", text)
 
-    def fault(self, tier: int, text: str) -> None:
-        found = Fault(self.rank, self.case, tier, time.monotonic(), text)
+    def _message(self, event: str, peer: int, tag: int, message: Message) -> None:
+        self._put("message", event, peer, tag, message)
+        if event == "send" and message.microbatch >= 0:
+            self.check_destination(peer, message)
+
+    def check_destination(self, dest: int, message: Message) -> None:
+        """A message goes to the rank of the next virtual stage (an activation) or the previous one."""
+        forward = message.kind == ACTIVATION
+        stage = message.stage + (1 if forward else -1)
+        owner = stage % self.world
+        if dest != owner:
+            ring = "; round the ring, rank p − 1 sends to rank 0" if self.chunks > 1 and forward else ""
+            self.fault(
+                CAUSE,
+                f"rank {self.rank} sent {message} (leaving virtual stage {message.stage}) to rank {dest}; "
+                f"virtual stage {stage} is rank {owner}'s{ring}",
+            )
+
+    def fault(self, tier: int, text: str, symptom: bool = False) -> None:
+        symptom = symptom or tier >= RESULT
+        found = Fault(self.rank, self.case, tier, time.monotonic(), text, symptom)
         self.events.put(("fault", self.rank, self.case, found))
 
     def _computed(self, action) -> None:
@@ -82,8 +111,10 @@ class RankCheck:
     def _sent(self, message: Message, tensor: torch.Tensor) -> None:
         """Compare a tensor as it leaves with what the one-process model has there."""
         forward = message.kind == ACTIVATION
+        if self.chunks > 1 and self.on_the_other_tag(message, tensor):
+            return
         if message.microbatch < 0:
-            self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has")
+            self.fault(CAUSE, f"rank {self.rank} sent one {message.kind} more than the step has", True)
             return
         want = self.reference.sent[message.kind, message.microbatch, message.stage]
         where = f"rank {self.rank}, micro-batch {message.microbatch}, {'forward' if forward else 'backward'}"
@@ -99,14 +130,23 @@ class RankCheck:
             due = f" (shape {tuple(want.shape)})" if shapes else ""
             self.fault(
                 CAUSE,
-                f"{where}: sent a {message.kind} that is micro-batch {other}'s{shapes}, "
+                f"{where}: sent {article(message.kind)} that is micro-batch {other}'s{shapes}, "
                 f"where micro-batch {message.microbatch}'s{due} is due",
             )
         elif tensor.shape != want.shape:
             self.fault(
                 CAUSE,
                 f"{where}: sent {message} with shape {tuple(tensor.shape)}, "
-                f"the one-process model's has shape {tuple(want.shape)}",
+                f"the one-process model's has shape {tuple(want.shape)}{self.whole_batch(tensor)}",
+                True,
+            )
+        elif not close(tensor, want) and (found := self.reference.anywhere(message.kind, tensor)):
+            self.fault(
+                CAUSE,
+                f"{where}: sent the {message.kind} of micro-batch {found[0]} leaving virtual stage "
+                f"{found[1]}, where micro-batch {message.microbatch}'s leaving virtual stage "
+                f"{message.stage} is due",
+                True,
             )
         elif not close(tensor, want):
             self.fault(
@@ -114,7 +154,29 @@ class RankCheck:
                 f"{where}: sent a wrong {message.kind}: it differs from the one-process "
                 f"model's by up to {gap(tensor, want):.3g} (largest value {want.abs().max().item():.3g})"
                 f"{ratio_hint(tensor, want)}",
+                True,
             )
+
+    def whole_batch(self, tensor: torch.Tensor) -> str:
+        if tensor.dim() and tensor.shape[0] == self.case.batch and self.case.m > 1:
+            return ": the whole batch, not a micro-batch (cut it with schedule.split_microbatches)"
+        return ""
+
+    def on_the_other_tag(self, message: Message, tensor) -> bool:
+        """Round a ring the tag says which stream a message is: a gradient sent with the activations' tag
+        (or the other way round) is named so."""
+        other = GRADIENT if message.kind == ACTIVATION else ACTIVATION
+        found = self.reference.anywhere(other, tensor) if isinstance(tensor, torch.Tensor) else None
+        if found is None or self.reference.anywhere(message.kind, tensor) is not None:
+            return False
+        tag = 0 if message.kind == ACTIVATION else 1
+        self.fault(
+            CAUSE,
+            f"rank {self.rank} sent the {other} of micro-batch {found[0]} with tag {tag}, the "
+            f"{message.kind}s' tag: activations travel with tag 0 and gradients with tag 1, so that the two "
+            "streams between two ranks never mix",
+        )
+        return True
 
     # --- running -----------------------------------------------------------------------------------------
 
@@ -132,12 +194,18 @@ class RankCheck:
         self.recorder.restart(self.pipe)
         computes = Computes(chunks, self._identify, self._fallback, self._computed)
         self._put("waits", "for the others to start the step")
+        meter = HeldMeter(lambda: None if computes.current is None else (computes.current, computes.chunk))
         comms.barrier("starting a step")
         self._put("begin")
-        loss = self.call(function, chunks, case)
+        with meter:
+            loss = self.call(function, chunks, case)
         computes.remove()
+        if self.recorder.unwaited:
+            self.fault(CAUSE, f"rank {self.rank} posted {self.recorder.unwaited[0]} {NEVER_WAITED}")
+        self._put("held", meter.peak)
         self._put("step done")
         self.check_results(chunks, loss)
+        self._put("checked")
         self._put("waits", "for the others to finish the step")
         comms.barrier("ending a step")
 
@@ -155,10 +223,33 @@ class RankCheck:
         try:
             return function(stage, inputs, targets, case.m)
         except BaseException as error:  # the learner's bug, said in one line with its place in their file
-            # another shape than it expected: what the sender sent, whose own fault comes first
-            tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else CAUSE
+            # another shape than it expected: what the sender sent, whose own fault comes first; a peer
+            # lost: that peer's own fault comes first
+            tier = CAUSE if not isinstance(error, CommError) else PEER
+            tier = CONSEQUENCE if isinstance(error, ShapeMismatchError) else tier
+            asked = self.asked_for_another() if isinstance(error, ShapeMismatchError) else None
+            if asked:
+                self.fault(CAUSE, asked, True)  # a wrong order, when one is seen, says it first
             self.fault(tier, f"rank {self.rank} {describe_exception(error, self.learner)}")
             leave(self.events, 1)
+
+    def asked_for_another(self) -> str | None:
+        """A receive that asked for another micro-batch's shape than the message due there: the
+        receiver's own loop is on another micro-batch than its schedule."""
+        if self.recorder.asked is None or self.recorder.asked[0].microbatch < 0:
+            return None
+        message, shape = self.recorder.asked
+        forward = message.kind == ACTIVATION
+        sender = message.stage - 1 if forward else message.stage + 1
+        shapes = [tuple(self.reference.sent[message.kind, i, sender].shape) for i in range(self.case.m)]
+        if shape is None or shape == shapes[message.microbatch] or shape not in shapes:
+            return None
+        other = shapes.index(shape)
+        op = "F" if forward else "B"
+        return (
+            f"rank {self.rank} asked for {message} with micro-batch {other}'s shape {shape}: its loop runs "
+            f"{op}{other} where the schedule runs {op}{message.microbatch}"
+        )
 
     def check_results(self, chunks: list[ShardedMLP], loss) -> None:
         last = self.rank == self.world - 1
@@ -191,7 +282,13 @@ class RankCheck:
                 return f": micro-batch {i}'s backward never reached it"
             if close(got, want + share[name]):
                 return f": micro-batch {i}'s backward reached it twice"
+            if len(self.reference.shares) > 1 and close(got, share[name]):
+                return f": it is micro-batch {i}'s share alone (were the gradients zeroed between backwards?)"
         return ratio_hint(got, want)
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 
 
 def ratio_hint(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -199,6 +296,8 @@ def ratio_hint(got: torch.Tensor, want: torch.Tensor) -> str:
     denominator = (want * want).sum().item()
     if denominator == 0:
         return ""
+    if not got.detach().any():
+        return "; it is all zeros (sent before the backward computed it?)"
     scale = (got.detach().float() * want).sum().item() / denominator
     if abs(scale - 1) > 1e-3 and close(got, want * scale):
         return f"; it is {scale:.4g} times the right one (a loss weighted by the wrong count?)"

@@ -33,7 +33,8 @@ class Computes:
     ) -> None:
         self.identify, self.fallback, self.on_action = identify, fallback, on_action
         self.forwards = [0] * len(chunks)
-        self.current: int | None = None
+        self.current: int | None = None  # the micro-batch of the forward that ran last, and its chunk
+        self.chunk = 0
         self.handles = []
         for c, chunk in enumerate(chunks):
             self.handles.append(chunk.register_forward_pre_hook(self._before(c)))
@@ -50,6 +51,7 @@ class Computes:
             k = self.forwards[chunk]
             self.forwards[chunk] += 1
             self.current = found if found is not None else self.fallback(chunk, k)
+            self.chunk = chunk
             self.on_action(Action("F", self.current, chunk))
 
         return hook

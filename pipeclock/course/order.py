@@ -78,18 +78,20 @@ class Lab:
         return f"{most} ({rule})" if rule and rule != str(most) else str(most)
 
 
-def divergence(lab: Lab, ran: dict[int, list[Action]], complete: bool) -> tuple[tuple[int, int], str] | None:
+def divergence(
+    lab: Lab, ran: dict[int, list[Action]], complete: bool, ended: frozenset[int] = frozenset()
+) -> tuple[tuple[int, int], str] | None:
     """The first place a rank's loop left the schedule, as ((position, rank), the line that says it), or
-    None. With ``complete`` false the lists may still grow: only a wrong action counts, not a missing
-    one. Among ranks the earliest position wins, then the lowest rank, so the answer never depends on
-    which rank reported first."""
+    None. With ``complete`` false the lists may still grow (but those of the ranks in ``ended``, whose
+    step is over): only a wrong action counts, not a missing one. Among ranks the earliest position
+    wins, then the lowest rank, so the answer never depends on which rank reported first."""
     found = []
     for rank, want in enumerate(lab.rows()):
         got = ran.get(rank, [])
         k = next(
             (k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
         )
-        if k == len(got) == len(want) or (k == len(got) and not complete):
+        if k == len(got) == len(want) or (k == len(got) and not complete and rank not in ended):
             continue
         before = f"after {got[k - 1]}" if k else "at its first action"
         head = f"{lab.title}, rank {rank}: {before}"
@@ -120,6 +122,27 @@ def held_beyond(lab: Lab, ran: dict[int, list[Action]]) -> str | None:
             unit = "micro-batch chunks" if lab.chunks > 1 else "micro-batches"
             most = lab.held_rule(rank, bound)
             return f"rank {rank} held {got} {unit} at once, where {lab.name} holds at most {most}"
+    return None
+
+
+KEPT_HINT = (
+    "a graph lives until its backward frees it: retain_graph=True, or an output kept after its backward, "
+    "keeps every micro-batch's activations alive"
+)
+
+
+def kept_beyond(lab: Lab, kept: list[int]) -> tuple[int, str] | None:
+    """The first rank whose loop, in the schedule's order, kept more micro-batches' saved tensors alive
+    at once than the schedule holds there (``kept``: measured per rank), as (rank, the verdict)."""
+    for rank, want in enumerate(lab.rows()):
+        bound = held(want)
+        if kept[rank] > bound:
+            unit = "micro-batch chunks" if lab.chunks > 1 else "micro-batches"
+            return rank, (
+                f"wrong memory: {lab.title}, rank {rank} kept the saved tensors of {kept[rank]} {unit} alive "
+                f"at once (measured), where {lab.name} holds at most {lab.held_rule(rank, bound)}: the order "
+                f"is right, the memory is not; {KEPT_HINT}"
+            )
     return None
 
 

@@ -81,8 +81,9 @@ class Recorder:
     """Wraps ``comms``' three point-to-point calls while installed; names each message by its place in the
     order ``pipe`` prescribes (the k-th activation a rank sends is its k-th forward's output).
 
-    ``on_wait(text)`` is called before a call blocks, ``on_done(text)`` after it returns, and
-    ``on_send(message, tensor)`` with every tensor sent.
+    ``on_wait(text)`` is called before a call blocks, ``on_done(text)`` after it returns,
+    ``on_send(message, tensor)`` with every tensor sent, and ``on_message(event, peer, tag, message)`` as
+    a send is posted ("send"), a receive starts to wait ("recv") and completes ("received").
     """
 
     rank: int
@@ -90,8 +91,11 @@ class Recorder:
     on_wait: Callable[[str], None] = lambda text: None
     on_done: Callable[[str], None] = lambda text: None
     on_send: Callable[[Message, torch.Tensor], None] = lambda message, tensor: None
+    on_message: Callable[[str, int, int, Message], None] = lambda event, peer, tag, message: None
     blocked: float = 0.0  # seconds spent inside the calls
     counts: dict[tuple[str, bool], int] = field(default_factory=dict)
+    unwaited: list[str] = field(default_factory=list)  # sends posted and not yet waited for, said
+    asked: tuple[Message, tuple] | None = None  # the receive under way: its message, the shape asked
     _originals: dict[str, Callable] = field(default_factory=dict)
 
     def install(self) -> Recorder:
@@ -117,12 +121,13 @@ class Recorder:
 
     def restart(self, pipe: Pipe) -> None:
         """A new step: count the messages from the start again."""
-        self.pipe, self.blocked, self.counts = pipe, 0.0, {}
+        self.pipe, self.blocked, self.counts, self.unwaited = pipe, 0.0, {}, []
 
     # --- the wrapped calls ---------------------------------------------------------------------------
 
     def send_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
+        self.on_message("send", dest, tag, message)
         self.on_send(message, tensor)
         self._timed(
             f"to send {message} to rank {dest}",
@@ -132,13 +137,18 @@ class Recorder:
 
     def isend_tensor(self, tensor: torch.Tensor, dest: int, tag: int = 0):
         message = self._next(self._kind(dest, tag, sent=True), sent=True)
+        self.on_message("send", dest, tag, message)
         self.on_send(message, tensor)
         sending = self._originals["isend_tensor"](tensor, dest, tag)
-        self.on_done(f"posted {message} to rank {dest}")
+        posted = f"{message} to rank {dest}"
+        self.on_done(f"posted {posted}")
+        self.unwaited.append(posted)
         recorder = self
 
         class Sending:
             def wait(self) -> None:
+                if posted in recorder.unwaited:
+                    recorder.unwaited.remove(posted)
                 recorder._timed(
                     f"for rank {dest} to take {message}", f"rank {dest} took {message}", sending.wait
                 )
@@ -147,11 +157,17 @@ class Recorder:
 
     def recv_tensor(self, shape, src: int, dtype=torch.float32, tag: int = 0) -> torch.Tensor:
         message = self._next(self._kind(src, tag, sent=False), sent=False)
-        return self._timed(
-            f"for {message} from rank {src}",
+        on = f" on tag {tag}" if tag else ""
+        self.on_message("recv", src, tag, message)
+        self.asked = (message, tuple(shape) if shape is not None else None)
+        received = self._timed(
+            f"for {message} from rank {src}{on}",
             f"received {message} from rank {src}",
             lambda: self._originals["recv_tensor"](shape, src, dtype, tag),
         )
+        self.on_message("received", src, tag, message)
+        self.asked = None
+        return received
 
     # --- naming and timing ---------------------------------------------------------------------------
 

@@ -81,6 +81,11 @@ class Reference:
         """The micro-batch whose ``kind`` leaving ``stage`` ``tensor`` is, or None."""
         return next((i for i in range(self.case.m) if close(tensor, self.sent[kind, i, stage])), None)
 
+    def anywhere(self, kind: str, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """The (micro-batch, stage) whose ``kind`` leaving that stage ``tensor`` is, at any stage, or None."""
+        found = (key for key, sent in self.sent.items() if key[0] == kind and close(tensor, sent))
+        return next(((i, stage) for _, i, stage in found), None)
+
     def entering_which(self, stage: int, tensor: torch.Tensor) -> int | None:
         """The micro-batch whose input to ``stage`` ``tensor`` is, or None."""
         return next((i for i in range(self.case.m) if close(tensor, self.entering[i, stage])), None)

@@ -20,6 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeclock.course.learner_file import line_by_line
+from pipeclock.course.tp_collectives import Collectives, Misused
 from pipeclock.course.tp_reference import WIDTH, Reference, close, how_far, scale, share, span
 
 CLASSES = ("ColumnParallelLinear", "RowParallelLinear")
@@ -47,11 +49,17 @@ class Wrong(Exception):
     """What a rank found wrong, as the line to print."""
 
 
-def load_classes(path: Path) -> dict[str, type]:
-    """The learner's two classes from the file at ``path``; `LookupError` when one is missing."""
+def load_module(path: Path) -> ModuleType:
+    """The learner's file at ``path``, imported."""
     spec = importlib.util.spec_from_file_location(f"learner_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_classes(path: Path, module: ModuleType | None = None) -> dict[str, type]:
+    """The learner's two classes from the file at ``path``; `LookupError` when one is missing."""
+    module = module or load_module(path)
     missing = [name for name in CLASSES if not isinstance(getattr(module, name, None), type)]
     if missing:
         raise LookupError(f"{path} defines no class {' or '.join(missing)}")
@@ -110,6 +118,8 @@ class RankCheck:
         """The learner's ``function(*args)``; an exception is the fault, with its line in their file."""
         try:
             return function(*args)
+        except Misused as error:
+            raise self.wrong(str(error)) from None
         except Exception as error:
             raise Wrong(f"rank {self.rank} raised {describe_exception(error, self.learner)}") from None
 
@@ -124,7 +134,9 @@ class RankCheck:
     # --- the phases --------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        classes = load_classes(self.learner)
+        module = load_module(self.learner)
+        Collectives(self.learner, lambda: PHASES[self.phase]).install(module)
+        classes = load_classes(self.learner, module)
         ref, rank, world = self.reference, self.rank, self.world
         splits = Split(CLASSES[0], ref.up, 0), Split(CLASSES[1], ref.down, 1)
         built = []
@@ -212,8 +224,22 @@ class RankCheck:
             kept = f"its outputs' {want.shape[0]}" if split.column else "all of it, added once after the sum"
             return f"{shown}: a {'column' if split.column else 'row'} split keeps {kept}"
         other = Split(split.name, split.layer, 1 - split.dim).weight(self.rank, self.world)
-        sliced = " (yours cuts the other dim)" if got.shape == other.shape else ""
-        return f"{shown}{sliced}: {split.rule(self.rank, self.world)}"
+        if got.shape == other.shape:
+            return f"{shown} (yours cuts the other dim): {split.rule(self.rank, self.world)}"
+        if got.dim() == 2 and got.shape[1 - split.dim] == want.shape[1 - split.dim]:
+            return f"{shown}: {self.uneven(split, got.shape[split.dim], want.shape[split.dim])}"
+        return f"{shown}: {split.rule(self.rank, self.world)}"
+
+    def uneven(self, split: Split, kept: int, due: int) -> str:
+        """The right dim, the wrong count: an uneven or off-by-one share."""
+        whole = split.layer.weight.shape[split.dim]
+        what = ("rows", "output features") if split.column else ("columns", "input features")
+        part = span(share(whole, self.rank, self.world))
+        return (
+            f"the right dim, an uneven share: rank {self.rank} keeps {kept} {what[0]} where each rank keeps "
+            f"{due} ({whole} / {self.world}); split the {whole} {what[1]} in {self.world} equal parts, "
+            f"here {what[0]} {part}"
+        )
 
     def values_text(self, where: str, name: str, got: torch.Tensor, split: Split) -> str:
         if name == "weight" or split.column:

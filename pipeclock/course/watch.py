@@ -10,45 +10,26 @@ seconds once all had started), or when a process is lost. A fault that a wrong o
 from __future__ import annotations
 
 import queue
-import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeclock.course.check_rank import CONSEQUENCE, ORDER, Fault
-from pipeclock.course.order import Lab, divergence, drawn, held_beyond, listed, next_in_schedule
+from pipeclock.course.check_rank import ORDER, PEER, RESULT, Fault
+from pipeclock.course.order import Lab, divergence, drawn, held_beyond, kept_beyond, listed
+from pipeclock.course.rank_state import RankState
+from pipeclock.course.stuck import deadlock
 from pipeclock.engine.actions import Action
 
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
 SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
 START_LIMIT = 120.0  # seconds for the processes to start and load the file
-BETWEEN_STEPS = "for the others to"  # how a rank waiting between two steps says so
+RESULTS_LIMIT = 5.0  # seconds to wait for every rank's results, a result being the first fault
 GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
 
 
 class Verdict(Exception):
     """The check's answer when something is wrong: ``str`` is the paragraph to print."""
-
-
-@dataclass
-class RankState:
-    started: bool = False
-    finished: bool = False
-    did: str = "nothing yet"
-    waits: str | None = None
-    m: int | None = None  # the current step's micro-batches
-    ran: dict[int, list[Action]] = field(default_factory=dict)  # per m, the forwards and backwards
-    done: set[int] = field(default_factory=set)  # the m's whose step this rank has ended
-
-    @property
-    def blocked(self) -> bool:
-        """Waiting in a call (or done): a rank that cannot move by itself."""
-        return self.finished or self.waits is not None
-
-    @property
-    def in_loop(self) -> bool:
-        """Waiting in one of the learner's calls, not between two steps."""
-        return self.waits is not None and not self.waits.startswith(BETWEEN_STEPS)
 
 
 @dataclass
@@ -67,6 +48,10 @@ class Watch:
     def ran(self, m: int) -> dict[int, list[Action]]:
         return {rank: state.ran.get(m, []) for rank, state in enumerate(self.states)}
 
+    def kept(self, m: int) -> list[int]:
+        """What each rank held at most in its step with ``m`` micro-batches, measured."""
+        return [state.kept.get(m, 0) for state in self.states]
+
     def follow(self, kind: str, rank: int, case, rest: list, now: float) -> None:
         state = self.states[rank]
         if kind == "fault":
@@ -74,7 +59,7 @@ class Watch:
         elif kind == "lost":
             where = "" if case is not None else " before its first step"
             text = f"rank {rank} stopped{where}: {rest[0]}"
-            self.add(Fault(rank, case or _Nowhere(10**6), CONSEQUENCE, now, text), now)
+            self.add(Fault(rank, case or _Nowhere(10**6), PEER, now, text, True), now)
         elif kind == "started":
             state.started = True
         elif kind == "finished":
@@ -82,17 +67,34 @@ class Watch:
         elif kind == "begin":
             state.m, state.did, state.waits = case.m, "started its step", None
             state.ran[case.m] = []
+            state.sent, state.received = Counter(), Counter()
+        elif kind == "message":
+            state.message(*rest)
         elif kind == "computed":
             state.ran.setdefault(case.m, []).append(Action(*rest[0]))
         elif kind == "did":
             state.did, state.waits = rest[0], None
         elif kind == "waits":
             state.waits = rest[0]
+        elif kind == "held":
+            state.kept[case.m] = rest[0]
+        elif kind == "checked":
+            state.checked.add(case.m)
         elif kind == "step done":
             state.did, state.waits = "finished its step", None
             state.done.add(case.m)
             if all(case.m in s.done for s in self.states):
                 self.check_order(case.m, now)
+
+    def settled(self, now: float) -> bool:
+        """Whether the earliest fault can be named: ``GRACE`` after the first one, and, when it is a
+        result checked at the step's end, once every rank has checked its own (or ``RESULTS_LIMIT``)."""
+        if now - self.first_at <= GRACE:
+            return False
+        first = min(self.faults, key=lambda f: f.order)
+        if first.tier != RESULT or now - self.first_at > RESULTS_LIMIT:
+            return True
+        return all(first.case.m in state.checked for state in self.states)
 
     def add(self, fault: Fault, now: float) -> None:
         self.faults.append(fault)
@@ -104,6 +106,9 @@ class Watch:
         ran = self.ran(m)
         found = divergence(lab, ran, complete=True)
         if found is None:
+            kept = kept_beyond(lab, self.kept(m))
+            if kept:
+                self.add(Fault(kept[0], _Nowhere(m), ORDER, now, kept[1]), now)
             return
         lines = [found[1]]
         more = held_beyond(lab, ran)
@@ -117,11 +122,15 @@ class Watch:
         """The paragraph for the earliest fault; a wrong order it follows from is added below it."""
         first = min(self.faults, key=lambda f: f.order)
         if first.tier == ORDER:
-            return f"wrong order: {first.text}"
+            return first.text if first.text.startswith("wrong memory") else f"wrong order: {first.text}"
         if isinstance(first.case, _Nowhere):
             return f"wrong, with {self.world} ranks: {first.text}"
         text = f"wrong, with {self.world} ranks and m = {first.case.m}: {first.text}"
-        found = divergence(self.lab_of(first.case.m), self.ran(first.case.m), complete=False)
+        m = first.case.m
+        ended = frozenset(rank for rank, state in enumerate(self.states) if m in state.done)
+        found = divergence(self.lab_of(m), self.ran(m), complete=False, ended=ended)
+        if found and first.symptom:  # the order is the cause, what was seen follows from it
+            return f"wrong order: {found[1]}\n  what followed, with {self.world} ranks: {first.text}"
         return text + (f"\n  it follows from the order: {found[1]}" if found else "")
 
 
@@ -156,7 +165,7 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
             seen.follow(kind, rank, case, rest, now)
             if all(state.started for state in states):
                 moved_at = now  # any report is news: a rank that starts to wait was busy until then
-        if seen.faults and (now - seen.first_at > GRACE or all_stopped(states, processes)):
+        if seen.faults and (seen.settled(now) or all_stopped(states, processes)):
             raise Verdict(seen.verdict())
         if seen.faults:
             continue
@@ -165,9 +174,9 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
             code = processes[lost[0]].exitcode
             raise Verdict(f"rank {lost[0]} ended without finishing (exit code {code}), with {world} ranks")
         if moved_at is not None and now - moved_at > STALL and stuck(states):
-            raise Verdict(deadlock(seen, now - moved_at))
+            raise Verdict(deadlock(seen.states, seen.lab_of, now - moved_at))
         if moved_at is not None and now - moved_at > SILENCE:  # a rank computes forever
-            raise Verdict(deadlock(seen, now - moved_at).replace("deadlock", "no progress", 1))
+            raise Verdict(deadlock(seen.states, seen.lab_of, now - moved_at, "no progress"))
         if moved_at is None and now - started_at > START_LIMIT:
             raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
     return seen
@@ -181,34 +190,3 @@ def stuck(states: list[RankState]) -> bool:
 
 def all_stopped(states: list[RankState], processes) -> bool:
     return all(not p.is_alive() or s.finished for s, p in zip(states, processes, strict=True))
-
-
-def deadlock(seen: Watch, still: float) -> str:
-    """Who waits for what, beside what the schedule runs there; the wrong order that led there, if any."""
-    states, world = seen.states, seen.world
-    m = next((s.m for s in states if s.m is not None), None)
-    shown = m if m is not None else "?"
-    lines = [f"deadlock, with {world} ranks and m = {shown}: no rank has moved for {still:.0f}s"]
-    lab = seen.lab_of(m) if m is not None else None
-    found = divergence(lab, seen.ran(m), complete=False) if lab else None
-    if found:
-        lines.append(f"  it follows from the order: {found[1]}")
-    for rank, state in enumerate(states):
-        peer = re.search(r"(from|to) rank (\d+)$", state.waits or "")
-        if peer and states[int(peer[2])].did == "finished its step":
-            never = "sending it" if peer[1] == "from" else "taking it"
-            lines.append(f"  rank {rank} waits {state.waits}, which finished its step without {never}")
-    lines.append("what each rank did last, what it waits for, and what the schedule runs there:")
-    for rank, state in enumerate(states):
-        expected = next_in_schedule(lab, rank, state.ran.get(m, [])) if lab else ""
-        lines.append(
-            f"  rank {rank}: last did: {state.did}; {_now_doing(state)}"
-            + (f"; {expected}" if expected else "")
-        )
-    return "\n".join(lines)
-
-
-def _now_doing(state: RankState) -> str:
-    if state.finished:
-        return "it is done"
-    return f"waits {state.waits}" if state.waits else "computes, in no message (an endless loop?)"
