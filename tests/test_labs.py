@@ -346,13 +346,24 @@ def test_lab12_pp_by_tp_draws_the_mesh_and_trains_as_one_process():
 # 1F1B at m = p from the schedule's formula.
 
 
+def gib(text: str) -> float:
+    """``2.33 GiB`` or ``97.7 KiB`` in GiB."""
+    number, unit = text.split()
+    return float(number) * 1024.0 ** ("KMG".index(unit[0]) - 2)
+
+
 def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published_run():
     out = run_once("python -m pipeclock lab 13").output()
     assert "nothing fits on 4xRTX4090 (96 GiB in all)" in out
     per_parameter, total = re.search(r"10B x (\d+) B = \d+ GB = (\d+) GiB", out).groups()
     assert int(total) == round(10e9 * int(per_parameter) / 2**30)
-    split = float(re.search(r"split 4 ways .*: ([\d.]+) GiB per GPU before any activation", out)[1])
-    assert split == pytest.approx(10e9 * int(per_parameter) / 4 / 2**30, abs=0.05)
+    sharded = float(re.search(r"sharded 4 ways .*, the 16 B of .* alone take ([\d.]+) GiB per GPU", out)[1])
+    assert sharded == pytest.approx(10e9 * 16 / 4 / 2**30, abs=0.05), "all that ZeRO-3 shards, in 4"
+    leanest = re.search(r"the leanest configuration .* needs ([\d.]+) GiB per GPU: (.*)$", out, re.M)
+    parts = dict(re.findall(r"(\w+) ([\d.]+ [KMG]iB)", leanest[2]))
+    assert set(parts) >= {"weights", "gradients", "optimizer", "allowance"}
+    assert sum(map(gib, parts.values())) == pytest.approx(float(leanest[1]), abs=0.1), "the parts add up"
+    assert gib(parts["gradients"]) + gib(parts["optimizer"]) == pytest.approx(sharded, abs=0.1)
     fewest, fewest_memory = re.search(
         r"the fewest RTX4090 that fit: (\d+),.* ([\d.]+) GiB per GPU$", out, re.M
     ).groups()
