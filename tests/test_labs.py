@@ -395,3 +395,28 @@ def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published
     )
     assert float(gains[1]) == pytest.approx(100 * (128 / 100 - 1)) and float(gains[2]) > 0
     assert float(gains[4]) < float(gains[3]) == float(table[2])
+
+
+# --- the answers apart: a learner reads the exercise without the answer in view ------------------------
+
+
+def folded(text: str, at: int) -> bool:
+    """Whether position ``at`` of a page lies inside a ``<details>`` block (collapsed when rendered)."""
+    return text.rfind("<details>", 0, at) > text.rfind("</details>", 0, at)
+
+
+def test_the_reference_loops_and_the_wrong_answers_verdicts_are_folded_on_their_pages():
+    docs = LABS.parent / "docs"
+    for page in ("lab4-naive", "lab5-gpipe", "lab6-1f1b", "lab7-interleaved"):
+        text = (docs / f"{page}.md").read_text()
+        assert folded(text, text.index("<!-- loop: labs/solutions/")), f"{page} shows its answer unfolded"
+    text = (docs / "lab12-tensor-parallel.md").read_text()
+    for shown in ("$ python -m pipeclock lab 12 --check tests/wrong_tensor_parallel/", "all-reduce a *copy*"):
+        assert folded(text, text.index(shown)), f"lab 12 shows {shown!r} unfolded"
+
+
+def test_the_skeletons_give_the_contract_and_hints_not_the_schedules_formulas():
+    for skeleton in sorted((LABS / "exercises").glob("*.py")):
+        text = skeleton.read_text()
+        assert "min(" not in text and "p - r - 1" not in text, f"{skeleton.name} hands out a warm-up formula"
+        assert text.count("raise NotImplementedError") >= 1, f"{skeleton.name} is no longer a skeleton"
