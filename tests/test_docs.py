@@ -240,3 +240,17 @@ def test_a_citation_of_a_value_no_block_names_is_a_page_error(tmp_path):
     page = write_page(tmp_path, "A step took <!--=steps-->6.20 ms.")
     with pytest.raises(PageError, match="cites steps"):
         prose_problems(page)
+
+
+def test_the_build_rewrites_a_stale_number_from_the_run_and_fails_on_a_bound_it_leaves(tmp_path):
+    command = "python -m pipeclock schedule gpipe --stages 2 --microbatches 4"
+    note = "<!-- docs\nvalue: makespan = ^makespan +(\\d+)$\n-->"
+    quote = f"{note}\n```console\n$ {command}\n...\nmakespan 15\n...\n```"
+    page = tmp_path / "page.md"
+    page.write_text(f"The step lasts <!--=makespan-->99 units.\n\n{quote}\n")
+    code, said = quick_build(tmp_path)
+    assert code == 0, said
+    assert page.read_text().startswith("The step lasts <!--=makespan-->15 units.")
+    page.write_text(f"The step lasts <!--~makespan-->10 to 12 units.\n\n{quote}\n")
+    code, said = quick_build(tmp_path)
+    assert code == 1 and "the prose bounds makespan to 10 to 12" in said and "prints 15" in said

@@ -290,14 +290,15 @@ def page_values(blocks: list[Block], printed: dict[int, list[str]] | None = None
 
 
 def prose_problems(
-    page: Path, text: str | None = None, printed: dict[int, list[str]] | None = None
+    page: Path, text: str | None = None, printed: dict[int, list[str]] | None = None, rewrite: bool = False
 ) -> tuple[str, list[str]]:
     """The page's text (or ``text``) with its prose's numbers filled from its quotes (or from ``printed``,
     what some of its blocks' commands printed, by block index), and where the prose and the output
-    disagree or a measured value leaves the bounds the prose states (`tools.docs_prose`)."""
+    disagree (unless ``rewrite``, as the build does) or a measured value leaves the bounds the prose
+    states (`tools.docs_prose`)."""
     text = page.read_text() if text is None else text
     try:
-        return fill(text, page_values(read_blocks(page, text), printed), _shown(page))
+        return fill(text, page_values(read_blocks(page, text), printed), _shown(page), rewrite)
     except ValueError as error:
         raise PageError(str(error)) from None
 
@@ -364,7 +365,7 @@ def build(
         for outcome in reversed(done):  # from the bottom, so the blocks above keep their line numbers
             if outcome.problem is None:
                 lines[outcome.block.first : outcome.block.end] = outcome.refreshed
-        text, problems = prose_problems(page, refresh_generated("\n".join(lines) + "\n"))
+        text, problems = prose_problems(page, refresh_generated("\n".join(lines) + "\n"), rewrite=True)
         if text != original:
             page.write_text(text)
         for problem in problems:

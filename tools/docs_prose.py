@@ -59,15 +59,16 @@ def values_of(notes_values: list[tuple[str, re.Pattern]], lines: list[str], wher
     return found
 
 
-def fill(text: str, values: dict[str, Value], page: str) -> tuple[str, list[str]]:
+def fill(text: str, values: dict[str, Value], page: str, rewrite: bool = False) -> tuple[str, list[str]]:
     """``text`` with every ``=`` citation stating its value, and the problems found: a number the prose
-    cites that the output does not give, a measured value outside the bounds the prose states."""
+    cites that the output does not give (unless ``rewrite``: the build writes the run's value), a
+    measured value outside the bounds the prose states."""
     problems: list[str] = []
     pieces = _FENCE.split(text)
     fences = _FENCE.findall(text)
     for index in range(0, len(pieces), 2):
         spans = _INLINE_CODE.split(pieces[index])
-        spans[::2] = [_fill_prose(span, values, page, problems) for span in spans[::2]]
+        spans[::2] = [_fill_prose(span, values, page, problems, rewrite) for span in spans[::2]]
         pieces[index] = "".join(spans)
     out = pieces[0]
     for fence, piece in zip(fences, pieces[1:], strict=True):
@@ -75,7 +76,7 @@ def fill(text: str, values: dict[str, Value], page: str) -> tuple[str, list[str]
     return out, problems
 
 
-def _fill_prose(prose: str, values: dict[str, Value], page: str, problems: list[str]) -> str:
+def _fill_prose(prose: str, values: dict[str, Value], page: str, problems: list[str], rewrite: bool) -> str:
     out, cursor = [], 0
     for match in MARK.finditer(prose):
         kind, name = match.group(1), match.group(2)
@@ -89,7 +90,7 @@ def _fill_prose(prose: str, values: dict[str, Value], page: str, problems: list[
             if stated is None:
                 problems.append(f"{page}: <!--={name}--> is not followed by a number")
                 continue
-            if stated.group(0) != value.text:
+            if stated.group(0) != value.text and not rewrite:
                 problems.append(
                     f"{page}: the prose says {name} is {stated.group(0)}; {value.where} prints {value.text}"
                 )
