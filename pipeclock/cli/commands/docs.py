@@ -5,9 +5,10 @@ python -m pipeclock docs --quick    # only the simulator's commands and tables: 
 python -m pipeclock docs lab5-gpipe # only the commands one page quotes
 
 Every command quoted in ``docs/*.md`` is run again; its output replaces the quoted one (keeping the
-lines the page chose to show) and the figures it draws are copied into ``docs/figures/``. How a page
-quotes a command is described in ``tools/docs_build.py``: the build is course tooling, in the source
-checkout, not in the library.
+lines the page chose to show) and the figures it draws are copied into ``docs/figures/``; the numbers
+the prose cites are written from those runs, and a measured one outside the bounds its sentence gives
+fails the build (``tools/docs_prose.py``). How a page quotes a command is described in
+``tools/docs_build.py``: the build is course tooling, in the source checkout, not in the library.
 """
 
 from __future__ import annotations
