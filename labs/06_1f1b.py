@@ -89,7 +89,7 @@ def lesson(reports: dict[str, RunReport], m: int) -> None:
     gpipe, one_f_one_b = reports["gpipe"], reports["1f1b"]
     p = len(gpipe.ranks)
     formula = f"{bubble_formula_text('1f1b')} = {bubble_formula('1f1b', p, m):.1%}"
-    print("\nlesson: 1F1B has GPipe's bubble and holds far fewer activations")
+    print("\nlesson: 1F1B has GPipe's bubble on paper (the formula's) and holds far fewer activations")
     print(
         f"  measured bubble GPipe {gpipe.bubble_share:.1%} vs 1F1B {one_f_one_b.bubble_share:.1%} "
         f"(formula {formula} for both)"

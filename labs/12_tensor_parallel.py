@@ -291,7 +291,7 @@ def part_three(args: argparse.Namespace, rank: int, world: int) -> None:
     alone = one_process_losses(config)
     print("  step  loss pp x tp   loss one process")
     for step, (ours, theirs) in enumerate(zip(result.losses, alone, strict=True)):
-        print(f"  {step:4d}  {ours:.7f}    {theirs:.7f}")
+        print(f"  {step:4d}  {ours:.5f}      {theirs:.5f}")
     gap = max(abs(a - b) / abs(b) for a, b in zip(result.losses, alone, strict=True))
     print(f"  largest relative difference over the {args.steps} steps: {gap:.1e}")
 

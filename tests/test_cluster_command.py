@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,8 +28,19 @@ def test_the_seeds_question_on_four_rtx4090s_tells_the_memory_wall_in_numbers(mo
     code, out, err = plan(monkeypatch, capsys, "--cluster", "4xRTX4090", "--params", "10e9")
     assert (code, err) == (1, "")
     assert "nothing fits on 4xRTX4090 (96 GiB in all):" in out
-    assert "10B x 18 B = 180 GB" in out and "41.9 GiB per GPU before any activation, against 24 GiB" in out
+    assert "10B x 18 B = 180 GB" in out and "alone take 37.3 GiB per GPU, against 24 GiB" in out
     assert "the fewest RTX4090 that fit: " in out and "the largest model of this shape that fits" in out
+
+
+def test_the_follow_ups_of_a_plan_that_fits_nowhere_keep_its_fix(monkeypatch, capsys):
+    code, out, err = plan(monkeypatch, capsys, "--cluster", "8xRTX4090", "--params", "10e9", "--fix", "pp=4")
+    assert (code, err) == (1, "")
+    fewest = re.search(r"^the fewest RTX4090 that fit with pp=4 fixed: \d+, best as (.*)$", out, re.M)
+    largest = re.search(
+        r"^the largest model .* on 8xRTX4090 with pp=4 fixed: about ([\d.]+)B .*, as (.*)$", out, re.M
+    )
+    assert " pp 4 " in fewest[1] and " pp 4 " in largest[2], "the fix holds in both"
+    assert float(largest[1]) < 10, "10B does not fit with pp 4 on 8 cards"
 
 
 def test_a_405b_config_plans_here_and_fix_prints_one_json_object_with_the_fixed_knobs(monkeypatch, capsys):

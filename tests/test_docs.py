@@ -30,9 +30,12 @@ from tests.commands import run_lab_forked, run_once
 from tools.docs_build import (
     Mismatch,
     Notes,
+    PageError,
+    bounds_problems,
     check,
     matched_lines,
     pages,
+    prose_problems,
     read_blocks,
 )
 from tools.docs_run import run_command, run_here, runs_here
@@ -51,9 +54,30 @@ def test_a_quoted_command_prints_what_its_page_shows(block):
     assert block.output, f"{block}: quotes no output yet; `make docs` writes it in"
     ran = run_once(block.command).ran
     try:
-        check(block, ran)
+        printed = check(block, ran)
     except Mismatch as mismatch:
         pytest.fail(f"{block}\n{mismatch}\n--- printed:\n{ran.stdout}{ran.stderr}")
+    assert bounds_problems(block, printed) == [], "a measured value left the bounds its page states"
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda page: page.name)
+def test_every_number_the_prose_cites_is_the_one_its_quote_prints(page):
+    filled, problems = prose_problems(page)
+    assert problems == [] and filled == page.read_text()
+
+
+PROSE_NUMBER = re.compile(r"(?<![\w.,])\d[\d,]*(?:\.\d+)? ms\b")
+RANGE = re.compile(r"\d[\d.,]*\s*(?:–|to)\s*\d[\d.,]* ms\b")  # bounds, which vary no more than they say
+CITATION = re.compile(r"<!--[=~][\w-]+-->[\d.,]+(?:\s*(?:–|-|to)\s*[\d.,]+)?")
+
+
+@pytest.mark.parametrize(
+    "page", [page for page in pages() if page.name.startswith("lab")], ids=lambda p: p.name
+)
+def test_a_lab_pages_prose_states_a_timing_as_bounds_or_as_its_runs_value(page):
+    prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    exact = PROSE_NUMBER.findall(RANGE.sub("", CITATION.sub("", prose)))
+    assert exact == [], "cite a timing (<!--=NAME-->), or give bounds (A to B ms, checked: <!--~NAME-->)"
 
 
 @pytest.mark.parametrize(
@@ -186,3 +210,47 @@ def test_an_any_line_matches_a_line_with_the_same_label():
     assert matched_lines(["rank 0 |F0 B0 |", "rank 1 |F0 B0|"], printed, notes) == printed
     with pytest.raises(Mismatch):
         matched_lines(["rank 1 |F0 B0 |", "rank 0 |F0 B0|"], printed, notes)
+
+
+def write_page(tmp_path: Path, prose: str) -> Path:
+    page = tmp_path / "page.md"
+    note = "<!-- docs\nvalue: step = step time ([\\d.]+) ms\n-->"
+    page.write_text(f"{prose}\n\n{note}\n```console\n$ python -m pipeclock lab 1\nstep time 6.20 ms\n```\n")
+    return page
+
+
+def test_the_build_writes_a_cited_number_from_the_quote_and_the_check_names_a_stale_one(tmp_path):
+    page = write_page(tmp_path, "A step took <!--=step-->9.99 ms.")
+    filled, problems = prose_problems(page)
+    assert "A step took <!--=step-->6.20 ms." in filled
+    (problem,) = problems
+    assert problem.endswith(f"page.md: the prose says step is 9.99; {read_blocks(page)[0]} prints 6.20")
+
+
+def test_a_measured_value_outside_the_bounds_the_prose_states_fails(tmp_path):
+    page = write_page(tmp_path, "A step takes <!--~step-->5 to 8 ms on this machine.")
+    assert prose_problems(page)[1] == []
+    (block,) = read_blocks(page)
+    assert bounds_problems(block, ["step time 7.90 ms"]) == []
+    (problem,) = bounds_problems(block, ["step time 8.10 ms"])
+    assert "the prose bounds step to 5 to 8" in problem and "prints 8.10" in problem
+
+
+def test_a_citation_of_a_value_no_block_names_is_a_page_error(tmp_path):
+    page = write_page(tmp_path, "A step took <!--=steps-->6.20 ms.")
+    with pytest.raises(PageError, match="cites steps"):
+        prose_problems(page)
+
+
+def test_the_build_rewrites_a_stale_number_from_the_run_and_fails_on_a_bound_it_leaves(tmp_path):
+    command = "python -m pipeclock schedule gpipe --stages 2 --microbatches 4"
+    note = "<!-- docs\nvalue: makespan = ^makespan +(\\d+)$\n-->"
+    quote = f"{note}\n```console\n$ {command}\n...\nmakespan 15\n...\n```"
+    page = tmp_path / "page.md"
+    page.write_text(f"The step lasts <!--=makespan-->99 units.\n\n{quote}\n")
+    code, said = quick_build(tmp_path)
+    assert code == 0, said
+    assert page.read_text().startswith("The step lasts <!--=makespan-->15 units.")
+    page.write_text(f"The step lasts <!--~makespan-->10 to 12 units.\n\n{quote}\n")
+    code, said = quick_build(tmp_path)
+    assert code == 1 and "the prose bounds makespan to 10 to 12" in said and "prints 15" in said

@@ -251,6 +251,19 @@ def test_explore_out_writes_one_self_contained_page(tmp_path, capsys):
     )
 
 
+def test_explore_refuses_a_size_the_page_does_not_hold_in_one_line(tmp_path, capsys):
+    grid = Grid()
+    for flag, largest in (("-p", grid.stages), ("-m", grid.microbatches)):
+        out = tmp_path / "explorer.html"
+        assert main(["explore", "--out", str(out), flag, str(largest + 1)]) == 2
+        said = capsys.readouterr()
+        assert (
+            said.err
+            == f"pipeclock explore: error: {flag} {largest + 1}: the page holds {flag[1]} = 1 to {largest}\n"
+        )
+        assert said.out == "" and not out.exists()
+
+
 def test_the_page_carries_a_caveat_exactly_where_the_formula_is_not_the_simulators_bubble():
     cases = schedule_data(Grid(stages=6, microbatches=12, chunks=3))["cases"]
     caveats = 0

@@ -346,13 +346,24 @@ def test_lab12_pp_by_tp_draws_the_mesh_and_trains_as_one_process():
 # 1F1B at m = p from the schedule's formula.
 
 
+def gib(text: str) -> float:
+    """``2.33 GiB`` or ``97.7 KiB`` in GiB."""
+    number, unit = text.split()
+    return float(number) * 1024.0 ** ("KMG".index(unit[0]) - 2)
+
+
 def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published_run():
     out = run_once("python -m pipeclock lab 13").output()
     assert "nothing fits on 4xRTX4090 (96 GiB in all)" in out
     per_parameter, total = re.search(r"10B x (\d+) B = \d+ GB = (\d+) GiB", out).groups()
     assert int(total) == round(10e9 * int(per_parameter) / 2**30)
-    split = float(re.search(r"split 4 ways .*: ([\d.]+) GiB per GPU before any activation", out)[1])
-    assert split == pytest.approx(10e9 * int(per_parameter) / 4 / 2**30, abs=0.05)
+    sharded = float(re.search(r"sharded 4 ways .*, the 16 B of .* alone take ([\d.]+) GiB per GPU", out)[1])
+    assert sharded == pytest.approx(10e9 * 16 / 4 / 2**30, abs=0.05), "all that ZeRO-3 shards, in 4"
+    leanest = re.search(r"the leanest configuration .* needs ([\d.]+) GiB per GPU: (.*)$", out, re.M)
+    parts = dict(re.findall(r"(\w+) ([\d.]+ [KMG]iB)", leanest[2]))
+    assert set(parts) >= {"weights", "gradients", "optimizer", "allowance"}
+    assert sum(map(gib, parts.values())) == pytest.approx(float(leanest[1]), abs=0.1), "the parts add up"
+    assert gib(parts["gradients"]) + gib(parts["optimizer"]) == pytest.approx(sharded, abs=0.1)
     fewest, fewest_memory = re.search(
         r"the fewest RTX4090 that fit: (\d+),.* ([\d.]+) GiB per GPU$", out, re.M
     ).groups()
@@ -384,3 +395,28 @@ def test_lab13_tells_the_memory_wall_and_sets_the_405b_plan_beside_the_published
     )
     assert float(gains[1]) == pytest.approx(100 * (128 / 100 - 1)) and float(gains[2]) > 0
     assert float(gains[4]) < float(gains[3]) == float(table[2])
+
+
+# --- the answers apart: a learner reads the exercise without the answer in view ------------------------
+
+
+def folded(text: str, at: int) -> bool:
+    """Whether position ``at`` of a page lies inside a ``<details>`` block (collapsed when rendered)."""
+    return text.rfind("<details>", 0, at) > text.rfind("</details>", 0, at)
+
+
+def test_the_reference_loops_and_the_wrong_answers_verdicts_are_folded_on_their_pages():
+    docs = LABS.parent / "docs"
+    for page in ("lab4-naive", "lab5-gpipe", "lab6-1f1b", "lab7-interleaved"):
+        text = (docs / f"{page}.md").read_text()
+        assert folded(text, text.index("<!-- loop: labs/solutions/")), f"{page} shows its answer unfolded"
+    text = (docs / "lab12-tensor-parallel.md").read_text()
+    for shown in ("$ python -m pipeclock lab 12 --check tests/wrong_tensor_parallel/", "all-reduce a *copy*"):
+        assert folded(text, text.index(shown)), f"lab 12 shows {shown!r} unfolded"
+
+
+def test_the_skeletons_give_the_contract_and_hints_not_the_schedules_formulas():
+    for skeleton in sorted((LABS / "exercises").glob("*.py")):
+        text = skeleton.read_text()
+        assert "min(" not in text and "p - r - 1" not in text, f"{skeleton.name} hands out a warm-up formula"
+        assert text.count("raise NotImplementedError") >= 1, f"{skeleton.name} is no longer a skeleton"

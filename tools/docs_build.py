@@ -36,6 +36,10 @@ The convention, for whoever writes a page:
       The command draws FILE; the build copies it to ``docs/figures/NAME``.
   ``exit: N``
       The command ends with exit code N, not 0 (``lab N --check`` on a loop with a fault).
+  ``value: NAME = REGEX``
+      Names a number of the output (REGEX's one group) for the prose to cite: ``<!--=NAME-->75.2``
+      states it and is rewritten by the build; ``<!--~NAME-->300 to 900`` bounds a measured one, and a
+      run outside the bounds fails (``tools/docs_prose.py``).
 
 - A block that quotes no output yet is given the command's whole output by the next build; trim it with
   ``...`` afterwards.
@@ -51,13 +55,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.docs_prose import Value, fill, read_value_note, values_of
 from tools.docs_run import REPOSITORY, SIMULATOR, Ran, run_command, run_here, runs_here
 from tools.docs_tables import refresh_generated
 
 DOCS = REPOSITORY / "docs"
 OMITTED = "..."
 
-_NOTE_KEYS = ("vary", "any", "long", "figure", "exit")
+_NOTE_KEYS = ("vary", "any", "long", "figure", "exit", "value")
 # A measured number: thousands separators, a decimal point, or a percent sign; not the value of a formula.
 _MEASURED = re.compile(
     r"(?<![\w.,])(?<!= )(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=%|x\)|/s| samples/s| tokens/s))"
@@ -76,6 +81,7 @@ class Notes:
     long: str | None = None
     figures: list[tuple[str, str]] = field(default_factory=list)  # (drawn by the command, name in figures/)
     exit: int = 0  # the exit code the command ends with (a check that finds a fault says so with 1)
+    values: list[tuple[str, re.Pattern]] = field(default_factory=list)  # numbers the prose cites
 
 
 @dataclass
@@ -107,9 +113,9 @@ class PageError(ValueError):
     """A page breaks the convention (a note without a block, a block without a command...)."""
 
 
-def read_blocks(page: Path) -> list[Block]:
-    """Every ``console`` block of ``page``, in order, with its notes."""
-    lines = page.read_text().splitlines()
+def read_blocks(page: Path, text: str | None = None) -> list[Block]:
+    """Every ``console`` block of ``page`` (or of ``text``, the page's new text), in order, with its notes."""
+    lines = (page.read_text() if text is None else text).splitlines()
     blocks, notes, index = [], None, 0
     while index < len(lines):
         line = lines[index]
@@ -149,6 +155,11 @@ def _read_notes(page: Path, lines: list[str], start: int) -> tuple[Notes, int]:
             notes.long = value
         elif key == "exit":
             notes.exit = int(value)
+        elif key == "value":
+            try:
+                notes.values.append(read_value_note(value))
+            except (ValueError, re.error) as error:
+                raise PageError(f"{_shown(page)}:{index + 1}: {error}") from None
         else:
             getattr(notes, key).append(re.compile(value))
         index += 1
@@ -265,6 +276,41 @@ def _explain(lines: list[str], printed: list[str], starts: list[int], notes: Not
     return f"quoted   {lines[wrong]!r}\nprinted  {there!r}"
 
 
+def page_values(blocks: list[Block], printed: dict[int, list[str]] | None = None) -> dict[str, Value]:
+    """The numbers the blocks' ``value:`` notes name, read from the quoted output (or, for a block whose
+    index is in ``printed``, from what its command printed)."""
+    found: dict[str, Value] = {}
+    for index, block in enumerate(blocks):
+        lines = (printed or {}).get(index, block.output)
+        try:
+            found.update(values_of(block.notes.values, lines, str(block)))
+        except ValueError as error:
+            raise PageError(str(error)) from None
+    return found
+
+
+def prose_problems(
+    page: Path, text: str | None = None, printed: dict[int, list[str]] | None = None, rewrite: bool = False
+) -> tuple[str, list[str]]:
+    """The page's text (or ``text``) with its prose's numbers filled from its quotes (or from ``printed``,
+    what some of its blocks' commands printed, by block index), and where the prose and the output
+    disagree (unless ``rewrite``, as the build does) or a measured value leaves the bounds the prose
+    states (`tools.docs_prose`)."""
+    text = page.read_text() if text is None else text
+    try:
+        return fill(text, page_values(read_blocks(page, text), printed), _shown(page), rewrite)
+    except ValueError as error:
+        raise PageError(str(error)) from None
+
+
+def bounds_problems(block: Block, printed: list[str]) -> list[str]:
+    """Where what ``block``'s command printed leaves the bounds the page's prose gives its values (a
+    varying line may differ from its quote: only the bounds hold a new run)."""
+    index = next(k for k, other in enumerate(read_blocks(block.page)) if other.line == block.line)
+    _, problems = prose_problems(block.page, printed={index: printed})
+    return [problem for problem in problems if "the prose bounds" in problem]
+
+
 def check(block: Block, ran: Ran) -> list[str]:
     """The printed lines the page should quote for ``block``; raises `Mismatch` if the quote is wrong."""
     if ran.returncode != block.notes.exit:
@@ -279,11 +325,12 @@ def check(block: Block, ran: Ran) -> list[str]:
 
 @dataclass
 class Outcome:
-    block: Block
+    block: Block | None  # None for a sentence of the prose
     seconds: float = 0.0
     refreshed: list[str] = field(default_factory=list)  # the output lines the page should quote
     figures: list[Path] = field(default_factory=list)
     problem: str | None = None
+    prose: bool = False  # a sentence's number, not a command's output
 
 
 def pages(docs: Path = DOCS, names: list[str] | None = None) -> list[Path]:
@@ -318,10 +365,12 @@ def build(
         for outcome in reversed(done):  # from the bottom, so the blocks above keep their line numbers
             if outcome.problem is None:
                 lines[outcome.block.first : outcome.block.end] = outcome.refreshed
-        text = refresh_generated("\n".join(lines) + "\n")
+        text, problems = prose_problems(page, refresh_generated("\n".join(lines) + "\n"), rewrite=True)
         if text != original:
             page.write_text(text)
-        outcomes += done
+        for problem in problems:
+            say(f"{_shown(page)}  FAILED\n    {problem}")
+        outcomes += done + [Outcome(None, problem=problem, prose=True) for problem in problems]
     return outcomes
 
 

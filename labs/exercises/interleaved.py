@@ -16,12 +16,11 @@ def interleaved_step(chunks, inputs, targets, num_microbatches, loss_fn=F.mse_lo
 
     With p ranks, rank r's chunk c is virtual stage c * p + r: activations go round the ranks (rank p - 1
     sends to rank 0), gradients the other way. ``inputs`` is the whole batch on rank 0, ``targets`` its
-    targets on rank p - 1 (None elsewhere); cut them with ``schedule.split_microbatches``. The order:
-    micro-batches in rounds of p; in a round, chunk 0 for each of the round's micro-batches, then chunk
-    1...; backwards with the chunks in reverse. Rank r warms up with min(2(p - r - 1) + (v - 1)p, v*m)
-    forwards (count them as if m were rounded up to a multiple of p), then alternates one forward and one
-    backward. Send activations with tag 0 and gradients with tag 1 (``comms.isend_tensor(t, dest,
-    tag=...)`` returns at once: ``.wait()`` for each at the end; ``comms.recv_tensor(shape, src,
-    tag=...)``). Gradients must end in ``.grad`` as after ``loss.backward()`` on the whole model and batch.
+    targets on rank p - 1 (None elsewhere); cut them with ``schedule.split_microbatches``. The order is
+    interleaved 1F1B's (``python -m pipeclock schedule interleaved-1f1b --stages 2 --microbatches 4
+    --chunks 2`` draws one). Send activations with tag 0 and gradients with tag 1
+    (``comms.isend_tensor(t, dest, tag=...)`` returns at once: ``.wait()`` for each at the end;
+    ``comms.recv_tensor(shape, src, tag=...)``). Gradients must end in ``.grad`` as after
+    ``loss.backward()`` on the whole model and batch.
     """
     raise NotImplementedError("write the interleaved 1F1B loop")

@@ -15,9 +15,10 @@ def one_f_one_b_step(stage, inputs, targets, num_microbatches, loss_fn=F.mse_los
     rank (None elsewhere).
 
     ``inputs`` is the whole batch on rank 0 (None elsewhere), ``targets`` the whole batch's targets on the
-    last rank (None elsewhere). Cut them with ``schedule.split_microbatches``. The order: rank r runs
-    min(p - r - 1, m) forwards, then one forward and one backward in turn, then the remaining backwards.
-    Mind the order of your messages: ``send_tensor`` waits until the receiver takes the tensor.
+    last rank (None elsewhere). Cut them with ``schedule.split_microbatches``. The order is 1F1B's: a
+    warm-up of forwards, a steady state of one forward and one backward in turn, a cool-down of
+    backwards (the page's "The idea" says how long each is). Mind the order of your messages:
+    ``send_tensor`` waits until the receiver takes the tensor.
     Talk to your neighbours (``comms.get_prev_rank()``, ``comms.get_next_rank()``, None at the ends) with
     ``comms.send_tensor(t, dest)`` and ``comms.recv_tensor(shape_or_None, src)``. Gradients must end in
     ``.grad`` as after ``loss.backward()`` on the whole model and batch: weight each micro-batch's loss

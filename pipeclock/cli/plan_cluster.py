@@ -86,13 +86,13 @@ def run(args: argparse.Namespace) -> int:
     print(report.searched(result, cluster, seconds))
     if not result.ranked:
         print("\n".join(["", *report.nothing_fits(result, model, cluster, software)]))
-        fewest = _fewest(model, cluster, job, software)
+        fewest = _fewest(model, cluster, job, software, fixed)
         if fewest is not None:
-            print(report.fewest_line(*fewest, model, cluster))
+            print(report.fewest_line(*fewest, model, cluster, fixed))
         if model.kind == "mlp":
-            largest = _largest(model, cluster, job, software)
+            largest = _largest(model, cluster, job, software, fixed)
             if largest is not None:
-                print(report.largest_line(*largest, model, cluster))
+                print(report.largest_line(*largest, model, cluster, fixed))
         return 1
     print()
     print(report.table(result.ranked, model))
@@ -192,13 +192,14 @@ def _print_json(result, fixed: dict) -> int:
     return 0 if result.ranked else 1
 
 
-def _largest(model: PaperModel, cluster: Cluster, job: Job, software: Software):
-    """The most parameters a model of the same layer count trains with on ``cluster`` (bisection over
-    the parameter count), and the best configuration there; None when even a tiny one does not fit."""
+def _largest(model: PaperModel, cluster: Cluster, job: Job, software: Software, fixed: dict):
+    """The most parameters a model of the same layer count trains with on ``cluster`` with the ``fixed``
+    knobs (bisection over the parameter count), and the best configuration there; None when even a tiny
+    one does not fit."""
 
     def best(parameters: int):
         try:
-            found = search(mlp_model(parameters, model.layers), cluster, job, software, top=1)
+            found = search(mlp_model(parameters, model.layers), cluster, job, software, fixed, top=1)
         except SearchError:
             return None
         return found.ranked[0] if found.ranked else None
@@ -212,17 +213,18 @@ def _largest(model: PaperModel, cluster: Cluster, job: Job, software: Software):
     return low, best(low)
 
 
-def _fewest(model, cluster: Cluster, job: Job, software: Software):
-    """The fewest GPUs of the same kind on which something fits (one more at a time up to four times the
-    cluster, then doubling), and the best configuration there; None at once for a GPU whose memory the
-    runtime's own allowance (CUDA context, collectives' buffers) fills: no count of them fits anything."""
+def _fewest(model, cluster: Cluster, job: Job, software: Software, fixed: dict):
+    """The fewest GPUs of the same kind on which something fits with the ``fixed`` knobs (one more at a
+    time up to four times the cluster, then doubling), and the best configuration there; None at once for
+    a GPU whose memory the runtime's own allowance (CUDA context, collectives' buffers) fills: no count of
+    them fits anything."""
     if cluster.kind.memory <= calibration.RUNTIME_BYTES:
         return None
     count = cluster.count + 1
     while count <= LARGEST_CLUSTER_TRIED:
         try:
-            found = search(model, Cluster(count, cluster.kind), job, software, top=1)
-        except SearchError:  # no data-parallel degree of this count divides the batch
+            found = search(model, Cluster(count, cluster.kind), job, software, fixed, top=1)
+        except SearchError:  # no data-parallel degree of this count divides the batch, or the fix
             found = None
         if found is not None and found.ranked:
             return count, found.ranked[0]

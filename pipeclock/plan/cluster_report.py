@@ -113,7 +113,11 @@ def memory_line(p: Prediction) -> str:
 
 
 def nothing_fits(result: SearchResult, model: PaperModel, cluster: Cluster, software: Software) -> list[str]:
-    """Why no configuration fits, in numbers: the model's states against all the cluster's memory."""
+    """Why no configuration fits, in numbers: the model's states against all the cluster's memory, then
+    the leanest configuration's own breakdown, which adds up to its total.
+
+    What can be sharded is 16 B a parameter (an fp32 gradient, and the fp32 weights and Adam's two
+    moments); a bf16 run's 2 B copy is not kept whole under ZeRO-3, but gathered a layer at a time."""
     capacity, count = cluster.kind.memory, cluster.count
     mixed = software.dtype != "fp32"
     per_parameter = 18 if mixed else 16
@@ -121,36 +125,48 @@ def nothing_fits(result: SearchResult, model: PaperModel, cluster: Cluster, soft
     what = "the bf16 copy, an fp32 gradient, fp32 masters and Adam's two moments" if mixed else (
         "the weight, its gradient and Adam's two moments, all fp32"
     )  # fmt: skip
+    sharded, per_gpu = model.parameters() * 16, format_bytes(capacity, binary=True)
     lines = [
         f"nothing fits on {cluster} ({format_bytes(count * capacity, binary=True)} in all):",
         f"  to train, a parameter holds {per_parameter} B ({what}): {_short(model.parameters())} x "
         f"{per_parameter} B = {format_bytes(states)} = {format_bytes(states, binary=True)}",
-        f"  split {count} ways as far as it goes (ZeRO-3, tp x pp): "
-        f"{format_bytes(states / count, binary=True)} "
-        f"per GPU before any activation, against {format_bytes(capacity, binary=True)}",
+        f"  sharded {count} ways (ZeRO-3 over tp x pp x dp), the 16 B of "
+        f"{'gradient, masters and moments' if mixed else 'weight, gradient and moments'} alone take "
+        f"{format_bytes(sharded / count, binary=True)} per GPU, against {per_gpu}",
     ]
     if result.smallest is not None:
         s = result.smallest
         lines.append(
             f"  the leanest configuration ({s.config.label()}) needs "
-            f"{format_bytes(s.memory.total, binary=True)} per GPU"
+            f"{format_bytes(s.memory.total, binary=True)} per GPU: "
+            + ", ".join(
+                f"{name} {format_bytes(value, binary=True)}" for name, value in s.memory.parts.items()
+            )
         )
     return lines
 
 
-def fewest_line(count: int, best: Prediction, model: PaperModel, cluster: Cluster) -> str:
+def fewest_line(count: int, best: Prediction, model: PaperModel, cluster: Cluster, fixed: dict) -> str:
     return (
-        f"the fewest {cluster.kind.name} that fit: {count}, best as {best.config.label()}: "
+        f"the fewest {cluster.kind.name} that fit{_with(fixed)}: {count}, best as {best.config.label()}: "
         f"{best.tokens_per_second_per_gpu:,.4g} {_unit(model)}/s per GPU, "
         f"{format_bytes(best.memory.total, binary=True)} per GPU"
     )
 
 
-def largest_line(parameters: int, best: Prediction, model: PaperModel, cluster: Cluster) -> str:
+def largest_line(parameters: int, best: Prediction, model: PaperModel, cluster: Cluster, fixed: dict) -> str:
     return (
-        f"the largest model of this shape that fits on {cluster}: about {_short(parameters)} parameters, "
-        f"as {best.config.label()}"
+        f"the largest model of this shape that fits on {cluster}{_with(fixed)}: about {_short(parameters)} "
+        f"parameters, as {best.config.label()}"
     )
+
+
+def _with(fixed: dict) -> str:
+    """`` with pp=4 fixed``: the follow-ups of a plan with ``--fix`` keep the fix, and say so."""
+    if not fixed:
+        return ""
+    shown = {k: ("on" if v else "off") if isinstance(v, bool) else v for k, v in fixed.items()}
+    return " with " + ",".join(f"{k}={v}" for k, v in shown.items()) + " fixed"
 
 
 def zero_words() -> str:

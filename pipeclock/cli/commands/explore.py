@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 
 from pipeclock.cli.arguments import check_output, non_negative_float, positive_int
 from pipeclock.engine.generators import SCHEDULES
-from pipeclock.observe.explorer import page, write_page
+from pipeclock.observe.explorer import Grid, page, write_page
 
 DESCRIPTION = __doc__.split("\n\n")[0].replace("``", "")
 SERVE_SECONDS = 600.0
@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        _check_sizes(args, Grid())
+    except ValueError as error:
+        print(f"pipeclock explore: error: {error}", file=sys.stderr)
+        return 2
     view = _view(args)
     if args.serve:
         return _serve(page(), view, args.port, args.serve_seconds)
@@ -62,6 +67,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {written}; no browser found here: open {url} yourself, or use --serve")
     return 0
+
+
+def _check_sizes(args: argparse.Namespace, grid: Grid) -> None:
+    """The page holds every schedule for p and m up to the grid's: a size past it would open on an empty
+    view, so it is refused here, in one line."""
+    for flag, value, largest in (
+        ("-p", args.stages, grid.stages),
+        ("-m", args.microbatches, grid.microbatches),
+    ):
+        if value is not None and value > largest:
+            raise ValueError(f"{flag} {value}: the page holds {flag[1]} = 1 to {largest}")
 
 
 def _view(args: argparse.Namespace) -> str:
