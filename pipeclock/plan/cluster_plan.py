@@ -39,6 +39,7 @@ class Prediction:
             "tp": c.tp,
             "pp": c.pp,
             "dp": c.dp,
+            "ep": c.ep,
             "schedule": c.schedule,
             "chunks": c.chunks,
             "microbatch_size": c.microbatch_size,
