@@ -100,3 +100,16 @@ def test_deepseek_v3_pre_training_is_predicted_within_20_percent_of_its_publishe
     assert best.fits and (best.config.pp, best.config.ep, best.config.dp) == (16, 64, 128)
     assert abs(best.tokens_per_second_per_gpu / PUBLISHED_TOKENS_PER_GPU - 1) < 0.20
     assert not predict(replace(ROWS[2], fix=ROWS[2].fix + chosen)).fits  # its experts fill an 80 GB H800
+
+
+def test_plan_refuses_ep_on_a_dense_model_in_one_line_and_exit_code_2(monkeypatch, capsys):
+    import sys
+
+    from pipeclock.cli.dispatch import main
+
+    monkeypatch.setattr(sys, "argv", ["pipeclock", "plan"])
+    code = main(["plan", "--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "ep=2"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    dense = "--fix ep=2: a 1B-parameter model is dense: expert parallel needs a mixture of experts"
+    assert err == f"pipeclock plan: error: {dense}\n"

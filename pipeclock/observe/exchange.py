@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import Action
-from pipeclock.engine.program import Program, lower
+from pipeclock.engine.program import Instruction, Program, lower
 
 PerAction = Callable[[int, Action], float]
 
@@ -82,3 +82,31 @@ def exchange_time(schedule, costs: PerAction, exchange: PerAction) -> ExchangeTi
     program `pipeclock.observe.simulate.simulate` runs: a file's, else the lowering's)."""
     programs = getattr(schedule, "programs", None) or lower(schedule)
     return charged(programs, costs, exchange)[1]
+
+
+# --- the program, as printed ------------------------------------------------------------------------
+
+WORDS = {
+    "A2A_F": "the forward's all-to-alls with the ep group: tokens to their experts before each MoE "
+    "block, results back after it",
+    "A2A_B": "the backward's all-to-alls with the ep group: the same two, reversed",
+}
+
+
+def all_to_all_word(instruction: Instruction, peers: Sequence[int]) -> str | None:
+    """The all-to-all a compute instruction runs inside, with the ep group's other ranks:
+    ``1A2A_F0<->4,8,12``; None for an instruction that runs none (a ``W``, a message)."""
+    if instruction.kind not in ("F", "B", "I"):
+        return None
+    kind = "A2A_F" if instruction.kind == "F" else "A2A_B"
+    return f"{instruction.stage}{kind}{instruction.microbatch}<->{','.join(map(str, peers))}"
+
+
+def ep_peers(coordinates: Sequence[tuple[int, int, int]], layout, ep: int) -> list[list[int]]:
+    """For each global rank at ``coordinates[rank]`` = (dp, pp, tp) of ``layout``, the other ranks of its
+    expert group: the same stage and tp rank in the ep - 1 replicas next to it (``d // ep`` alike)."""
+    replicas = layout.shape[0]
+    return [
+        [int(layout[other, s, t]) for other in range(replicas) if other // ep == d // ep and other != d]
+        for d, s, t in coordinates
+    ]
