@@ -113,3 +113,37 @@ def test_plan_refuses_ep_on_a_dense_model_in_one_line_and_exit_code_2(monkeypatc
     assert (code, out) == (2, "")
     dense = "--fix ep=2: a 1B-parameter model is dense: expert parallel needs a mixture of experts"
     assert err == f"pipeclock plan: error: {dense}\n"
+
+
+def test_latent_attention_on_paper_has_the_parameters_and_products_of_deepseeks_own_layer():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from pipeclock.plan import latent_attention
+    from pipeclock.plan.hf_paper import paper_model
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, num_hidden_layers=2, vocab_size=100, n_group=4,
+        topk_group=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        layer = DeepseekV3Attention(config, 0)
+    model = paper_model(config)
+    products = model.gemms()
+    weights = {name.removesuffix(".weight"): p for name, p in layer.named_parameters() if p.dim() == 2}
+    shapes = {
+        "q_a": "q_a_proj",
+        "q_b": "q_b_proj",
+        "kv_a": "kv_a_proj_with_mqa",
+        "kv_b": "kv_b_proj",
+        "o": "o_proj",
+    }
+    for gemm in products[:5]:
+        assert tuple(weights[shapes[gemm.role]].shape) == (gemm.n, gemm.k), gemm
+    norms = latent_attention.norm_parameters(model.q_lora, model.kv_lora, 1)
+    assert sum(g.k * g.n for g in products[:5]) + norms == sum(p.numel() for p in layer.parameters())
+    assert model.q_dim == 4 * (8 + 4 + 8) // 2  # scores over 12 per head, values 8
+    assert (model.shared_ffn, model.expert_groups, model.groups_per_token) == (16, 4, 2)

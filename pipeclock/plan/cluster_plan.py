@@ -62,6 +62,7 @@ class Prediction:
                 "tp_collectives": round(t.tp, 6),
                 "dp_exposed": round(t.dp, 6),
                 "optimizer": round(t.optimizer, 6),
+                "ep_all_to_all": round(t.ep, 6),
             },
         }
 
