@@ -91,3 +91,11 @@ def test_the_simulated_step_says_how_much_all_to_all_it_hid(monkeypatch, capsys)
 def test_an_ep_the_mesh_cannot_take_is_one_line_and_exit_code_2(monkeypatch, capsys, args, message):
     code, out, err = run(monkeypatch, capsys, *args)
     assert (code, out) == (2, "") and err == f"pipeclock schedule: error: {message}\n"
+
+
+def test_compare_charges_the_all_to_all_as_each_schedule_alone_does(monkeypatch, capsys):
+    _, alone, _ = run(monkeypatch, capsys, "1f1b", "-p", "4", "-m", "8", "--all-to-all", "0.5")
+    _, every, _ = run(monkeypatch, capsys, "--compare", "-p", "4", "-m", "8", "--all-to-all", "0.5")
+    makespan = next(line.split()[1] for line in alone.splitlines() if line.startswith("makespan"))
+    row = next(line for line in every.splitlines() if line.startswith("1f1b "))
+    assert row.split()[1] == makespan == "44"  # 33 without: each F and each B pays 0.5 more

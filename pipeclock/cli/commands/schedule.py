@@ -268,7 +268,7 @@ def _compare(args: argparse.Namespace) -> int:
         name_chunks = chunks_of(name) or (chunks if supports_chunks(get_schedule(name)) else 1)
         label = f"{name} (v={name_chunks})" if supports_chunks(get_schedule(name)) else name
         schedule = generate(name, p, m, name_chunks)
-        timelines[label] = (name, name_chunks, _simulate(schedule, costs, latency))
+        timelines[label] = (name, name_chunks, _simulate(schedule, costs, latency, args.all_to_all))
     print(f"every schedule, p={p} stages, m={m} micro-batches; times in stage forwards")
     print(_comparison_table(p, m, timelines))
     if args.png:
