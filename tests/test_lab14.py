@@ -19,6 +19,7 @@ def lab():
     return module
 
 
+@pytest.mark.long  # docs/lab14-experts.md's quoted run (tests/test_docs.py) holds the same output
 def test_lab14_routes_counts_the_bytes_divides_the_memory_and_shows_the_overlap(capsys, monkeypatch):
     monkeypatch.chdir(LAB.parent.parent)
     module = lab()
