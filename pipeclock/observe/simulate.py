@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pipeclock.engine.actions import Action, Schedule, num_chunks, validate
 from pipeclock.engine.program import DeadlockError, Instruction, lower
 from pipeclock.engine.program_run import simulate_program
+from pipeclock.observe.exchange import charged
 from pipeclock.observe.timeline import Span, Timeline
 
 __all__ = ["DEFAULT_COSTS", "DeadlockError", "Link", "default_costs", "simulate"]
@@ -46,6 +47,7 @@ def simulate(
     comm_latency: float = 0.0,
     bandwidth: float | None = None,
     message_bytes: Callable[[Instruction], float] | None = None,
+    exchange: Callable[[int, Action], float] | None = None,
 ) -> Timeline:
     """The timeline of ``schedule``'s program when each op costs ``costs[op]`` and each message
     ``comm_latency`` plus ``message_bytes(send) / bandwidth``.
@@ -53,6 +55,8 @@ def simulate(
     ``costs`` may name only some ops; the others keep `default_costs`. It may also be a function
     ``(rank, action) -> cost``, for stages that differ (a cut by layer count of unequal layers). The
     program is the one attached to a schedule read from a ``compute_comms`` file, else the lowering's.
+    ``exchange(rank, action)``: expert parallel's all-to-all seconds inside an action, charged on top of
+    its cost and hidden in overlapped pairs (`pipeclock.observe.exchange`).
     Raises ``ValueError`` for a malformed schedule and `DeadlockError` for one that can never finish.
     """
     num_stages, num_microbatches, chunks = _shape(schedule)
@@ -63,6 +67,8 @@ def simulate(
     if bandwidth is not None and bandwidth <= 0:
         raise ValueError(f"bandwidth must be > 0, got {bandwidth}")
     programs = getattr(schedule, "programs", None) or lower(schedule)
+    if exchange is not None:
+        durations = charged(programs, durations, exchange)[0]
     run = simulate_program(
         programs,
         lambda rank, instruction: durations(rank, instruction.action),

@@ -63,6 +63,7 @@ class Config:
     recompute: str
     zero: int
     sequence_parallel: bool
+    ep: int = 1  # expert parallel: each MoE layer's experts over ep of the dp ranks (`plan.experts`)
 
     @property
     def gpus(self) -> int:
@@ -73,7 +74,8 @@ class Config:
             f"{self.schedule} v={self.chunks}"
         )  # fmt: skip
         sp = "+sp" if self.sequence_parallel else ""
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
         return (
-            f"tp {self.tp}{sp} x pp {self.pp} x dp {self.dp}, {schedule}, mbs {self.microbatch_size} x "
+            f"tp {self.tp}{sp} x pp {self.pp} x dp {self.dp}{ep}, {schedule}, mbs {self.microbatch_size} x "
             f"m {self.microbatches}, recompute {self.recompute}, {ZERO_WORDS[self.zero]}"
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import generate
 from pipeclock.models.partition import partition
-from pipeclock.plan import activations, calibration
+from pipeclock.plan import activations, calibration, experts
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel
 
@@ -125,7 +125,7 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     parameters += (model.embedding_parameters() / config.tp) if first else 0
     if last and not (first and model.tied):
         parameters += model.head_parameters() / config.tp
-    weights, gradients, optimizer = _states(model, config, software, parameters, layers)
+    weights, gradients, optimizer = experts.split_states(_states, model, config, software, parameters, layers)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
@@ -177,5 +177,5 @@ def fits(memory: GpuMemory, capacity: int) -> bool:
 def static_floor(model: PaperModel, config: Config, software: Software) -> float:
     """A lower bound of the fullest rank's memory: the whole model's states spread evenly over the
     pipeline and tensor ranks, sharded as far as the ZeRO stage goes (a cheap first test)."""
-    parameters = model.parameters() / (config.pp * config.tp)
+    parameters = experts.parameters_per_pipeline(model, config) / (config.pp * config.tp)
     return sum(_states(model, config, software, parameters, 0))

@@ -39,6 +39,7 @@ class Prediction:
             "tp": c.tp,
             "pp": c.pp,
             "dp": c.dp,
+            "ep": c.ep,
             "schedule": c.schedule,
             "chunks": c.chunks,
             "microbatch_size": c.microbatch_size,
@@ -61,6 +62,7 @@ class Prediction:
                 "tp_collectives": round(t.tp, 6),
                 "dp_exposed": round(t.dp, 6),
                 "optimizer": round(t.optimizer, 6),
+                "ep_all_to_all": round(t.ep, 6),
             },
         }
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pipeclock.engine.actions import join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import V_SCHEDULES, generate
 from pipeclock.observe.simulate import simulate
-from pipeclock.plan import activations, calibration
+from pipeclock.plan import activations, calibration, experts
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import placement_for, stage_layers
 from pipeclock.plan.gpus import GpuKind
@@ -45,6 +45,8 @@ class LayerTime:
     weight_grad: float
     recompute: float  # run again before the backward
     tp: float  # of the forward and of the backward each: tensor parallel's exposed collectives
+    exchange_forward: float = 0.0  # expert parallel's all-to-alls (`pipeclock.plan.experts`), in forward
+    exchange_backward: float = 0.0  # and in the input-gradient backward
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class StepTime:
     tp: float
     dp: float  # data-parallel collectives not hidden
     optimizer: float
+    ep: float = 0.0  # expert parallel's all-to-alls on the busiest rank, hidden or not
 
 
 class Rates:
@@ -87,7 +90,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     elementwise = passes * kept * tokens / rates.memory
     collectives = _tp_collective(model, config, tokens, software, rates)
     collectives *= 0.5 if model.kind == "mlp" else 2.0
-    forward = products + attention + elementwise + collectives
+    exchange = experts.exchange(model, config, job, software, rates.gpu)
+    forward = products + attention + elementwise + collectives + exchange.forward
     again = {
         "none": 0.0,
         "selective": elementwise + sum(seconds for g, seconds in each if not g.kept),
@@ -95,10 +99,12 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     }[config.recompute]
     return LayerTime(
         forward=forward,
-        input_grad=products + 2.5 * attention + 2 * elementwise + collectives + again,
+        input_grad=products + 2.5 * attention + 2 * elementwise + collectives + again + exchange.backward,
         weight_grad=products,
         recompute=again,
         tp=collectives,
+        exchange_forward=exchange.forward,
+        exchange_backward=exchange.backward,
     )
 
 
@@ -148,6 +154,7 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     for index, cut in enumerate(cuts):
         n = len(cut)
         cost = {"F": n * layer.forward, "I": n * layer.input_grad, "W": n * layer.weight_grad}
+        cost |= {"xF": n * layer.exchange_forward, "xB": n * layer.exchange_backward}  # inside F, and B or I
         for end, applies in (("first", index == 0), ("last", index == len(cuts) - 1)):
             if applies:
                 for op in ("F", "I", "W"):
@@ -186,7 +193,7 @@ def message_seconds(model, config, job, rates) -> float:
 def pipeline_seconds(model, config, job, software, rates, costs) -> tuple[Simulated, float]:
     """The simulated program for these stage costs, and the unit of its times in seconds."""
     unit = max(cost["F"] for cost in costs) or 1.0
-    key = tuple(tuple(_round(cost[op] / unit) for op in ("F", "B", "I", "W")) for cost in costs)
+    key = tuple(tuple(_round(cost[op] / unit) for op in ("F", "B", "I", "W", "xF", "xB")) for cost in costs)
     transfer = _round(message_seconds(model, config, job, rates) / unit)
     return simulated(config.schedule, config.pp, config.microbatches, config.chunks, key, transfer), unit
 
@@ -202,6 +209,7 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
       at least one message).
     """
     placement = placement_for(config.schedule, config.pp, config.chunks)
+    costs = [_compute_only(cost) for cost in costs]  # an all-to-all may hide under a paired action
     m, last = config.microbatches, len(costs) - 1
     split = splits_backward(config.schedule)
     gradient = "I" if split else "B"
@@ -218,6 +226,12 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
     chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
     chain += m * (costs[last]["F"] + costs[last][gradient]) + 2 * (config.pp - 1) * transfer
     return max(busiest, chain)
+
+
+def _compute_only(cost: dict[str, float]) -> dict[str, float]:
+    """A stage's costs without its all-to-alls."""
+    forward, backward = cost.get("xF", 0.0), cost.get("xB", 0.0)
+    return {"F": cost["F"] - forward, "B": cost["B"] - backward, "I": cost["I"] - backward, "W": cost["W"]}
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,16 +263,24 @@ class Simulated:
 
 @functools.lru_cache(maxsize=8192)
 def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
-    """The schedule's program simulated with per-stage ``costs`` (F, B, I, W) and each message costing
-    ``transfer``, in the costs' unit; cached: a search asks for the same ones often."""
+    """The schedule's program simulated with per-stage ``costs`` (F, B, I, W, and the all-to-alls inside
+    F and inside B or I) and each message costing ``transfer``, in the costs' unit; cached: a search asks
+    for the same ones often."""
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
     ops = {"F": 0, "B": 1, "I": 2, "W": 3}
+    inside = {"F": 4, "B": 5, "I": 5}
+
+    def exchange(rank: int, action) -> float:
+        stage = costs[placement.stage(rank, action.chunk)]
+        return stage[inside[action.op]] if action.op in inside and len(stage) > 4 else 0.0
 
     def cost(rank: int, action) -> float:
-        return costs[placement.stage(rank, action.chunk)][ops[action.op]]
+        return costs[placement.stage(rank, action.chunk)][ops[action.op]] - exchange(rank, action)
 
-    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer)
+    exchanging = any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs)
+    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer,
+                        exchange=exchange if exchanging else None)  # fmt: skip
     moments = []
     for rank in range(pp):
         first, last = {}, {}
@@ -291,6 +313,7 @@ def step_time(model, config: Config, job: Job, software: Software, gpu: GpuKind)
         tp=per_microbatch * layer.tp * (3 if config.recompute == "full" else 2),
         dp=dp,
         optimizer=optimizer,
+        ep=per_microbatch * (layer.exchange_forward + layer.exchange_backward),
     )
 
 
@@ -304,7 +327,8 @@ def busiest_compute(config: Config, costs: list[dict[str, float]]) -> float:
 
 def optimizer_seconds(model: PaperModel, config: Config, rates: Rates) -> float:
     """Adam's pass over the states a GPU updates (its shard of them under ZeRO)."""
-    parameters = model.parameters() / (config.pp * config.tp)
+    held = model.parameters() if config.zero >= 1 else experts.parameters_per_pipeline(model, config)
+    parameters = held / (config.pp * config.tp)  # under ZeRO, a rank's share of the experts is 1/dp anyway
     return parameters * OPTIMIZER_BYTES / (config.dp if config.zero >= 1 else 1) / rates.memory
 
 
@@ -359,7 +383,7 @@ def _stage_parameters(model: PaperModel, config: Config, stage: int, cuts) -> fl
     """The parameters of one virtual stage on one tp rank (its layers, and the ends it carries)."""
     norms = 2 * model.norm_parameters()
     layer = (model.layer_parameters() - norms) / config.tp + norms
-    total = len(cuts[stage]) * layer
+    total = len(cuts[stage]) * (layer - experts.moved_per_layer(model, config))
     if stage == 0:
         total += model.embedding_parameters() / config.tp
     if stage == len(cuts) - 1:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeclock.plan import experts as expert_parallel
+from pipeclock.plan import latent_attention
 from pipeclock.plan.paper_model import PaperModel
 
 # Families whose MLP is two matrices with a GELU/ReLU, whose norms are LayerNorms and whose Linears
@@ -68,6 +70,8 @@ def paper_model(config, name: str | None = None) -> PaperModel:
         or (1 if getattr(config, "multi_query", False) else heads)
     )
     head_dim = getattr(config, "head_dim", None) or hidden // heads
+    latent = latent_attention.fields(config)
+    head_dim = latent.pop("head_dim", head_dim)
     plain = family in PLAIN_MLP_FAMILIES
     experts = _experts(config)
     ffn = (getattr(config, "moe_intermediate_size", None) if experts else None) or _ffn(config, hidden)
@@ -88,7 +92,9 @@ def paper_model(config, name: str | None = None) -> PaperModel:
         positions=getattr(config, "max_position_embeddings", 0) if family in LEARNED_POSITIONS else 0,
         experts=experts,
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
-        shared_ffn=(getattr(config, "shared_expert_intermediate_size", 0) or 0) if experts else 0,
+        shared_ffn=expert_parallel.shared_width(config) if experts else 0,
+        **(expert_parallel.routing_fields(config) if experts else {}),
+        **latent,
     )
 
 

@@ -19,6 +19,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from pipeclock.plan import latent_attention
+
 
 @dataclass(frozen=True)
 class Gemm:
@@ -55,6 +57,14 @@ class PaperModel:
     experts_per_token: int = 0
     shared_ffn: int = 0  # a mixture's always-used expert(s), in total width
     kind: str = "transformer"  # or "mlp"
+    # latent attention (MLA, `pipeclock.plan.latent_attention`; head_dim is then the non-rotary part)
+    q_lora: int = 0
+    kv_lora: int = 0  # 0: ordinary attention
+    rope_dim: int = 0
+    v_head_dim: int = 0
+    # node-limited routing: the experts in ``expert_groups`` groups, a token's in ``groups_per_token`` at most
+    expert_groups: int = 0
+    groups_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "mlp"):
@@ -68,10 +78,14 @@ class PaperModel:
 
     @property
     def q_dim(self) -> int:
+        if self.kv_lora:
+            return latent_attention.attention_width(self.heads, self.head_dim, self.rope_dim, self.v_head_dim)
         return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        if self.kv_lora:
+            return self.q_dim
         return self.kv_heads * self.head_dim
 
     @property
@@ -87,7 +101,9 @@ class PaperModel:
         if self.kind == "mlp":
             return [Gemm("linear", h, h)]
         q, kv, ffn = self.q_dim, self.kv_dim, self.ffn
-        if self.gated:
+        if self.kv_lora:
+            attention = [Gemm(role, k, n, split=split) for role, k, n, split in self._latent_products()]
+        elif self.gated:
             attention = [Gemm("q", h, q), Gemm("k", h, kv), Gemm("v", h, kv), Gemm("o", q, h, split="k")]
         else:
             attention = [Gemm("qkv", h, q + 2 * kv), Gemm("o", q, h, split="k")]
@@ -96,6 +112,11 @@ class PaperModel:
         router = Gemm("router", h, self.experts, split="none")
         shared = self._mlp(self.shared_ffn, 1.0) if self.shared_ffn else []
         return _alternate([*attention, router, *self._mlp(ffn, float(self.experts_per_token)), *shared])
+
+    def _latent_products(self) -> list[latent_attention.Product]:
+        return latent_attention.products(
+            self.hidden, self.heads, self.q_lora, self.kv_lora, self.head_dim, self.rope_dim, self.v_head_dim
+        )
 
     def _mlp(self, width: int, count: float) -> list[Gemm]:
         h = self.hidden
@@ -115,6 +136,10 @@ class PaperModel:
         q, kv = self.q_dim, self.kv_dim
         attention = h * (q + 2 * kv) + q * h
         attention += (q + 2 * kv if self.qkv_bias or self.linear_bias else 0) + (h if self.linear_bias else 0)
+        if self.kv_lora:
+            per_width = 2 if self.norm == "layer" else 1
+            attention = sum(k * n for _, k, n, _ in self._latent_products())
+            attention += latent_attention.norm_parameters(self.q_lora, self.kv_lora, per_width)
         up = 2 if self.gated else 1
         expert = h * up * self.ffn + self.ffn * h + ((up * self.ffn + h) if self.linear_bias else 0)
         if self.is_moe:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
+from pipeclock.plan import experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory, static_floor
 from pipeclock.plan.cluster_plan import Prediction, rate
@@ -37,7 +38,7 @@ from pipeclock.plan.paper_model import PaperModel
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
-FIXABLE = ("tp", "pp", "dp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp")
+FIXABLE = ("tp", "pp", "dp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
 
 
 class SearchError(ValueError):
@@ -143,13 +144,14 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
         for size, (schedule, chunks) in itertools.product(sizes, _schedules(model, pp, fixed)):
             if local % size:
                 continue
-            for recompute, zero, sp in itertools.product(
+            for recompute, zero, sp, ep in itertools.product(
                 _choice(fixed, "recompute", RECOMPUTES),
                 _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
                 _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
+                experts.ep_choices(model, dp, fixed),
             ):
                 found = True
-                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp)
+                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep)
     if not found:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
@@ -167,7 +169,7 @@ def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
             wanted = {"tp": tp, "pp": pp, "dp": dp}
             if pp > model.layers or any(fixed.get(k, v) != v for k, v in wanted.items()):
                 continue
-            if job.global_batch % dp == 0:
+            if job.global_batch % dp == 0 and dp % fixed.get("ep", 1) == 0:
                 yield tp, pp, dp
 
 
@@ -222,6 +224,8 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
         raise SearchError(f"--fix tp={fixed['tp']} does not divide the model's {model.heads} heads")
     if "dp" in fixed and job.global_batch % fixed["dp"]:
         raise SearchError(f"--fix dp={fixed['dp']} does not divide --global-batch {job.global_batch}")
+    if experts.refusal(model, fixed):
+        raise SearchError(experts.refusal(model, fixed))
     schedule, chunks = fixed.get("schedule"), fixed.get("chunks")
     if chunks is not None and chunks > 1 and schedule not in (None, "interleaved-1f1b", *V_SCHEDULES):
         raise SearchError(f"--fix chunks={chunks} needs an interleaved schedule, not {schedule}")
@@ -235,7 +239,7 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
 
 
 def _no_layout(model, cluster, job, fixed) -> str:
-    if any(k in fixed for k in ("tp", "pp", "dp")):
+    if any(k in fixed for k in ("tp", "pp", "dp", "ep")):
         return (
             f"no tp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
             f"{job.global_batch} by dp"

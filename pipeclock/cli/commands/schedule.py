@@ -5,6 +5,7 @@ python -m pipeclock schedule --compare --stages 4 --microbatches 8 --png compare
 python -m pipeclock schedule --schedule-csv zbv.csv             # a schedule written by another engine
 python -m pipeclock schedule zb-v -p 4 -m 8 --save-csv zbv.csv   # and the other way
 python -m pipeclock schedule 1f1b -p 2 -m 3 --program               # what each rank sends and receives
+python -m pipeclock schedule dualpipev -p 2 -m 4 --program --dp 2 --ep 2 --all-to-all 0.5   # and experts
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pipeclock.engine.generators import (
 )
 from pipeclock.engine.limits import MAX_MICROBATCHES, MAX_STAGES
 from pipeclock.observe.diagrams import ascii_diagram, draw_comparison_png, draw_png
+from pipeclock.observe.exchange import WORDS as EXCHANGE_WORDS
+from pipeclock.observe.exchange import all_to_all_word, ep_peers, exchange_time
 from pipeclock.observe.simulate import DeadlockError, simulate
 from pipeclock.observe.timeline import Timeline
 
@@ -90,6 +93,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --program: N tensor-parallel ranks per stage (train --tp N), innermost in the mesh",
     )  # fmt: skip
     parser.add_argument(
+        "--ep", type=positive_int, default=1, metavar="N",
+        help="with --program and --dp: each stage's experts over N of the dp replicas (train --ep N); the "
+        "all-to-alls each compute runs with its expert group",
+    )  # fmt: skip
+    parser.add_argument(
+        "--all-to-all", dest="all_to_all", metavar="X", type=non_negative_float, default=0.0,
+        help="expert parallel's all-to-alls inside each stage's forward, and again in its backward, in "
+        "stage forwards (default 0): charged, and hidden in dualpipev's overlapped pairs",
+    )  # fmt: skip
+    parser.add_argument(
         "--link-latency", dest="latency", metavar="L", type=non_negative_float, default=0.0,
         help="time a message between ranks takes once both sides are posted, in stage forwards (default 0); "
         "with a model's message sizes, plan and train --png also take --link-bandwidth",
@@ -102,8 +115,13 @@ def run(args: argparse.Namespace) -> int:
         for option, path in (("--png", args.png), ("--save-csv", args.save_csv)):
             if path:
                 check_output(path, option)
-        if (args.dp > 1 or args.tp > 1) and (args.compare or not args.program):
-            raise UsageError("--dp and --tp lay out the printed program on a mesh: give --program")
+        if (args.dp > 1 or args.tp > 1 or args.ep > 1) and (args.compare or not args.program):
+            raise UsageError("--dp, --tp and --ep lay out the printed program on a mesh: give --program")
+        if args.dp % args.ep:
+            raise UsageError(
+                f"--ep {args.ep} is carved from the data-parallel replicas: give --dp a multiple of "
+                f"{args.ep}, not {args.dp}"
+            )
         return _compare(args) if args.compare else _show_one(args)
     except BrokenPipeError:
         raise  # a closed output: the command line ends quietly
@@ -119,11 +137,13 @@ def run(args: argparse.Namespace) -> int:
 def _show_one(args: argparse.Namespace) -> int:
     name, schedule = _chosen(args)
     p, m, chunks = len(schedule), _microbatches(schedule), num_chunks(schedule)
-    timeline = _simulate(schedule, _costs(args.costs), args.latency)
+    timeline = _simulate(schedule, _costs(args.costs), args.latency, args.all_to_all)
     print(_header(name, p, m, chunks, placement_of(schedule).name))
     print(ascii_diagram(timeline))
     print()
     print(_summary(name, p, m, chunks, timeline))
+    if args.all_to_all:
+        print(_all_to_all_line(schedule, _costs(args.costs), args.all_to_all))
     joined = _joined_backwards(schedule)
     if joined:
         print(
@@ -132,7 +152,7 @@ def _show_one(args: argparse.Namespace) -> int:
         )
     if args.program:
         print()
-        print(_program_text(schedule, args.dp, args.tp))
+        print(_program_text(schedule, args.dp, args.tp, args.ep))
     if args.save_csv:
         Path(args.save_csv).parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {save_csv(schedule, args.save_csv, args.format)}")
@@ -164,7 +184,7 @@ def _chosen(args: argparse.Namespace) -> tuple[str, Schedule]:
     return args.name, generate(args.name, p, m, chunks)
 
 
-def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1) -> str:
+def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1, ep: int = 1) -> str:
     """Each rank's program as the engine runs it, then the words it uses. On a (dp, pp, tp) mesh, every
     rank's: each (replica, tp rank) runs the pipeline's programs over its own ranks."""
     programs = getattr(schedule, "programs", None) or program.lower(
@@ -183,17 +203,40 @@ def _program_text(schedule: Schedule, dp: int = 1, tp: int = 1) -> str:
     for ranks in pipelines(world, dp, tp):
         on_mesh.update(zip(ranks, program.on_ranks(programs, ranks), strict=True))
     layout = mesh_layout(world, dp, tp)
-    names = [f"rank {r} (dp {d}, pp {s}, tp {t})" for r, (d, s, t) in enumerate(_coordinates(layout))]
+    coordinates = _coordinates(layout)
+    names = [f"rank {r} (dp {d}, pp {s}, tp {t})" for r, (d, s, t) in enumerate(coordinates)]
+    described = program.describe([on_mesh[r] for r in range(world)], names=names)
+    if ep > 1:
+        described = _with_all_to_alls(
+            [on_mesh[r] for r in range(world)], names, ep_peers(coordinates, layout, ep)
+        )
+        words += [f"  {kind:<12}{text}" for kind, text in EXCHANGE_WORDS.items()]
+    experts = f", experts over ep {ep} of the replicas" if ep > 1 else ""
     lines = [
-        f"program on a mesh of dp {dp} x pp {len(programs)} x tp {tp} = {world} ranks (one line per rank, "
-        "in order; a message names its peer: -> to, <- from):",
-        program.describe([on_mesh[r] for r in range(world)], names=names),
+        f"program on a mesh of dp {dp} x pp {len(programs)} x tp {tp} = {world} ranks{experts} (one line per "
+        "rank, in order; a message names its peer: -> to, <- from):",
+        described,
         "",
         *words,
     ]
     if tp > 1:
         inside = "each F, B and I runs its stage's tensor-parallel collectives over its tp group"
         lines.append(f"  {'(inside)':<12}{inside}")
+    return "\n".join(lines)
+
+
+def _with_all_to_alls(programs, names: list[str], peers: list[list[int]]) -> str:
+    """Each rank's program with peers named (``program.describe``), each compute followed by the
+    all-to-alls it runs inside with its expert group."""
+    lines = []
+    for rank, instructions in enumerate(programs):
+        words = []
+        for instruction in instructions:
+            words.append(program.with_peer(instruction))
+            exchanged = all_to_all_word(instruction, peers[rank])
+            if exchanged:
+                words.append(exchanged)
+        lines.append(f"{names[rank]}: " + " ".join(words))
     return "\n".join(lines)
 
 
@@ -225,7 +268,7 @@ def _compare(args: argparse.Namespace) -> int:
         name_chunks = chunks_of(name) or (chunks if supports_chunks(get_schedule(name)) else 1)
         label = f"{name} (v={name_chunks})" if supports_chunks(get_schedule(name)) else name
         schedule = generate(name, p, m, name_chunks)
-        timelines[label] = (name, name_chunks, _simulate(schedule, costs, latency))
+        timelines[label] = (name, name_chunks, _simulate(schedule, costs, latency, args.all_to_all))
     print(f"every schedule, p={p} stages, m={m} micro-batches; times in stage forwards")
     print(_comparison_table(p, m, timelines))
     if args.png:
@@ -234,11 +277,36 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(schedule: Schedule, costs: tuple[float, float, float], latency: float) -> Timeline:
-    """Simulate with per-stage ``costs`` (F, I, W; B = I + W); a chunk does 1/chunks of a stage's work."""
+def _simulate(
+    schedule: Schedule, costs: tuple[float, float, float], latency: float, all_to_all: float = 0.0
+) -> Timeline:
+    """Simulate with per-stage ``costs`` (F, I, W; B = I + W) and ``all_to_all`` inside each F and each B
+    or I; a chunk does 1/chunks of a stage's work."""
+    per_op = _per_op(schedule, costs)
+    exchange = _exchange(schedule, all_to_all) if all_to_all else None
+    return simulate(schedule, per_op, comm_latency=latency, exchange=exchange)
+
+
+def _per_op(schedule: Schedule, costs: tuple[float, float, float]) -> dict[str, float]:
     forward, backward, weight = (cost / num_chunks(schedule) for cost in costs)
-    per_op = {"F": forward, "B": backward + weight, "I": backward, "W": weight}
-    return simulate(schedule, per_op, comm_latency=latency)
+    return {"F": forward, "B": backward + weight, "I": backward, "W": weight}
+
+
+def _exchange(schedule: Schedule, all_to_all: float):
+    share = all_to_all / num_chunks(schedule)
+    return lambda _rank, action: share if action.op in ("F", "B", "I") else 0.0
+
+
+def _all_to_all_line(schedule: Schedule, costs: tuple[float, float, float], all_to_all: float) -> str:
+    """How much of the step's all-to-all time the schedule hides under another micro-batch's compute."""
+    per_op = _per_op(schedule, costs)
+    time = exchange_time(
+        join_first_stage_backwards(schedule), lambda _r, a: per_op[a.op], _exchange(schedule, all_to_all)
+    )
+    return (
+        f"all-to-all        {_number(time.total)} in all ranks' actions, {time.hidden:.1%} of it hidden "
+        "under another micro-batch's compute (overlapped F, B pairs)"
+    )
 
 
 def _header(name: str, p: int, m: int, chunks: int, placement: str = "loop") -> str:
