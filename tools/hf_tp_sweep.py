@@ -117,7 +117,7 @@ def _run(model, config, mesh, inputs, labels, want) -> Outcome | None:
     for name, parameter in stage.named_parameters():
         grad = parameter.grad
         grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-        gaps.append(gap(grad, want_grads[name]))
+        gaps.append(gap(grad.reshape(want_grads[name].shape), want_grads[name]))  # packed: [.., 2, inter, ..]
     outcome = Outcome(model_type, "exact", gaps={"tp 2": max(gaps)})  # FAILED with gaps: no exception
     if not outcome.worst <= LOOSER.get(model_type, TOLERANCE):
         outcome.kind, outcome.detail = "FAILED", f"differs from transformers by {outcome.worst:.1e}"
