@@ -22,6 +22,7 @@ what this sweep finds.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pickle
 import sys
@@ -57,13 +58,14 @@ def rank_sweep(rank: int, world: int, types: Sequence[str]) -> list[Outcome]:
     torch.set_num_threads(1)
     patient = dist.new_group(timeout=timedelta(seconds=900))
     mesh = parallel.init_mesh(1, 2)
+    whole = parallel.init_mesh(world // 2, 2) if world > 2 else None  # the plan checked before the cut
     outcomes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model_type in types:
             if os.environ.get("PIPECLOCK_SWEEP_ECHO"):
                 print(f"rank {rank}: {model_type}", file=sys.stderr, flush=True)
-            found = _one_type(model_type, mesh)
+            found = _one_type(model_type, mesh, whole)
             if found is None:
                 continue
             outcomes.append(found)
@@ -75,10 +77,14 @@ def rank_sweep(rank: int, world: int, types: Sequence[str]) -> list[Outcome]:
     return outcomes
 
 
-def _one_type(model_type: str, mesh) -> Outcome | None:
+def _one_type(model_type: str, mesh, whole=None) -> Outcome | None:
     """None for a type without a plan (or whose tiny config cannot be made); "not built" where
     ``transformers`` cannot build or run the tiny model, "refused" where pipeclock does not understand it
-    (`tools.hf_sweep` lists both, with their reasons)."""
+    (`tools.hf_sweep` lists both, with their reasons).
+
+    With ``whole`` (a mesh of tp pairs, pp 1), the whole model is first stepped split over each pair: a
+    plan refused in the first forward (`tp_layouts`) is refused there, on every rank alike, where in the
+    pipeline the other stage's ranks would wait for the refusing one until their timeout."""
     from transformers import AutoModelForCausalLM
 
     from pipeclock.models import hf
@@ -100,6 +106,10 @@ def _one_type(model_type: str, mesh) -> Outcome | None:
         return Outcome(model_type, "refused", hf_sweep._line(error))
     except Exception as error:
         return Outcome(model_type, "not built", hf_sweep._line(error))
+    if whole is not None:
+        checked = _run(copy.deepcopy(model), config, whole, inputs, labels, want)
+        if checked is not None and checked.kind != "exact":
+            return checked
     return _run(model, config, mesh, inputs, labels, want)
 
 

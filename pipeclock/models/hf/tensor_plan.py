@@ -16,6 +16,12 @@ from fnmatch import fnmatch
 
 from pipeclock.models.hf.build import copy_config, meta_model, prepared_config
 
+# families whose gradients at tp 2 differ from one process's for a reason not yet found: refused
+NOT_EXACT = {
+    "deepseek_v4": "its routers' gradients differ from one process's at tp 2 (by 100 %, the loss exact), "
+    "even with only the embedding and the head split",
+}
+
 
 def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str, str]:
     """The whole model's plan (names from the CausalLM down), once ``tp`` is known to split its heads
@@ -24,6 +30,8 @@ def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str
     Raises ``ValueError`` for a config without a plan (none given) or heads that ``tp`` does not divide.
     """
     config = prepared_config(config)
+    if config.model_type in NOT_EXACT:
+        raise ValueError(f"{type(config).__name__} is refused at --tp {tp}: {NOT_EXACT[config.model_type]}")
     if given is not None:
         config = copy_config(config)
         config.base_model_tp_plan = dict(given)
