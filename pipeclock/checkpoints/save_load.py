@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeclock import comms
-from pipeclock.checkpoints import choice, integrity
+from pipeclock.checkpoints import choice, integrity, stacked_experts
 from pipeclock.checkpoints.choice import CheckpointError
 from pipeclock.checkpoints.tied_copies import first_copies_only, restore_second_copies
 from pipeclock.engine import faults
@@ -88,7 +88,9 @@ def save(
         partial.parent.mkdir(parents=True, exist_ok=True)
     comms.barrier(f"preparing {partial}")
     with _explained(f"saving {partial}"), first_copies_only(modules, optimizer):
-        dcp.save(_full_state(modules, optimizer, position), checkpoint_id=partial)
+        state = _full_state(modules, optimizer, position)
+        stacked_experts.held_views(modules, state["model"], state["optim"])
+        dcp.save(state, checkpoint_id=partial)
     faults.point("save", position.step)
     # DCP's save returns after every rank reported its file written and rank 0 wrote the metadata, so
     # the files are final: the ranks sum them, and the checkpoint is complete when rank 0 renames it.
@@ -151,7 +153,9 @@ def load(path: str | os.PathLike, modules: Sequence[nn.Module], optimizer: torch
     with first_copies_only(modules, optimizer) as copies:
         state = _full_state(modules, optimizer, Position(0, 0.0, 0), _rng_source(path))
         with _explained(f"loading {path}"):
+            views = stacked_experts.held_views(modules, state["model"], state["optim"], _sizes_at(path))
             dcp.load(state, checkpoint_id=path)
+        stacked_experts.restore(views)
         view = GlobalView(modules)
         set_state_dict(
             view,
@@ -200,6 +204,7 @@ def load_model(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     run = choice.read_run(path)
     model = full_model(run)
     state = {"model": GlobalView([model]).state_dict()}
+    stacked_experts.held_views([model], state["model"], saved=_sizes_at(path))
     with warnings.catch_warnings(), _explained(f"loading {path}"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -217,6 +222,7 @@ def load_weights(path: str | os.PathLike, modules: Sequence[nn.Module]) -> dict:
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     state = {"model": GlobalView(modules).state_dict()}
+    stacked_experts.held_views(modules, state["model"], saved=_sizes_at(path))
     with warnings.catch_warnings(), _explained(f"loading {path}"):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -273,6 +279,16 @@ def _full_state(
         "progress": {"step": position.step, "loss": position.loss, "data_position": position.data_position},
         "rng": {str(rank): _rng_state()},
     }
+
+
+def _sizes_at(path: str | os.PathLike):
+    """A function giving each tensor's size as saved at ``path``, by its key within ``model`` or ``optim``."""
+
+    def sizes() -> dict[str, tuple[int, ...]]:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return {k.split(".", 1)[1]: tuple(v.size) for k, v in metadata.items() if hasattr(v, "size")}
+
+    return sizes
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

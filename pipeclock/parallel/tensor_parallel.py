@@ -17,6 +17,8 @@ module path, ``*`` standing for any one name, mapped to a style name. Each style
                                      heads (`per_head`), for Cohere's use_qk_norm
     replicate, replicated_with_grad_allreduce   the module left whole on every rank; fed a slice (between a
                                      column split and its row split), its gradient summed over tp
+    moe_tp_experts                   transformers' experts module, its weights split as their own
+                                     patterns say (packed_colwise, rowwise, ...): `tp_experts`
 
 Parameters of a split module become DTensors over the mesh's ``"tp"`` dim; every other module stays
 whole on each tp rank. Outside the split regions it sees the same (replicated) inputs and gradients on
@@ -53,7 +55,7 @@ from torch.distributed.tensor.parallel import (
 
 from pipeclock import comms
 from pipeclock.engine.ties import tie, tie_key
-from pipeclock.parallel import tp_layouts
+from pipeclock.parallel import tp_experts, tp_layouts
 from pipeclock.parallel.per_head import PerHead
 
 Plan = Mapping[str, str]
@@ -70,13 +72,13 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "replicate": None,
     "replicated_with_grad_allreduce": None,
     "per_head": PerHead,
+    tp_experts.EXPERTS: None,  # built from the weights' styles: tp_experts.ExpertsParallel
 }
 # transformers' styles that have no torch ParallelStyle here, each with why
 NOT_TRANSLATED = {
-    "packed_colwise": "a fused weight (gate and up stacked): each rank needs its slice of each half, "
-    "which a contiguous column split does not give",
-    "packed_rowwise": "a fused weight read by halves: each rank needs its slice of each half",
-    "moe_tp_experts": "experts split by tp (give them to ranks with --ep instead)",
+    "packed_colwise": "a fused weight (gate and up stacked) outside a moe_tp_experts module: each rank "
+    "needs its slice of each half, which a contiguous column split does not give",
+    "packed_rowwise": "a fused weight read by halves, outside a moe_tp_experts module",
     "moe_identity_expert": "experts split by tp (give them to ranks with --ep instead)",
     "sequence_parallel": "sequence parallel is not offered (docs/three-axes.md)",
     "local_params": "parameters kept local to each rank, outside DTensor",
@@ -137,13 +139,17 @@ def tensor_parallel(
     tp = tp_mesh.size()
     if tp == 1:
         return chunks
+    plan, experts = tp_experts.weight_styles(dict(plan))
     _check_styles(plan, source)
     splits = list(_resolve(chunks, plan))
-    _agree_on_the_plan(chunks, plan, splits, tp, source)
+    _agree_on_the_plan(chunks, plan, splits, tp, source, experts)
     shared = _shared_slots(chunks)
     for split in splits:
         style = STYLES[split.style]
-        if style is not None:
+        if split.style == tp_experts.EXPERTS:
+            weights = tp_experts.layout(split.module, _weight_styles(split, experts), tp, split.name)
+            parallelize_module(split.module, tp_mesh, tp_experts.ExpertsParallel(weights))
+        elif style is not None:
             parallelize_module(split.module, tp_mesh, style())
     _restore_shared(shared)
     for index, chunk in enumerate(chunks):
@@ -212,8 +218,16 @@ def _resolve(chunks: list[nn.Module], plan: Plan) -> Iterator[Split]:
                 yield Split(index, name, module, style)
 
 
-def _problem(split: Split, tp: int, source: str) -> str | None:
+def _weight_styles(split: Split, experts: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The styles the plan gives the weights of the experts module ``split``."""
+    return next((styles for pattern, styles in experts.items() if matches(pattern, split.name)), {})
+
+
+def _problem(split: Split, tp: int, source: str, experts: dict[str, dict[str, str]]) -> str | None:
     """What is wrong with one split on this rank, or None."""
+    if split.style == tp_experts.EXPERTS:
+        found = tp_experts.layout(split.module, _weight_styles(split, experts), tp, split.name)
+        return found if isinstance(found, str) else None
     if STYLES[split.style] is None:
         return None
     if split.style == "per_head":
@@ -248,10 +262,15 @@ def _tie_layouts(chunks: list[nn.Module], splits: list[Split]) -> dict[str, set[
 
 
 def _agree_on_the_plan(
-    chunks: list[nn.Module], plan: Plan, splits: list[Split], tp: int, source: str
+    chunks: list[nn.Module],
+    plan: Plan,
+    splits: list[Split],
+    tp: int,
+    source: str,
+    experts: dict[str, dict[str, str]],
 ) -> None:
     """One gather over the world: every rank learns every rank's findings, and all refuse alike."""
-    problems = [p for p in (_problem(s, tp, source) for s in splits) if p is not None]
+    problems = [p for p in (_problem(s, tp, source, experts) for s in splits) if p is not None]
     used = sorted({p for s in splits for p in plan if matches(p, s.name)})
     found = (used, problems, _tie_layouts(chunks, splits))
     everyone = comms.all_gather_object(found, "agreeing on the tensor-parallel plan")

@@ -12,8 +12,15 @@ the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from fnmatch import fnmatch
 
 from pipeclock.models.hf.build import copy_config, meta_model, prepared_config
+
+# families whose gradients at tp 2 differ from one process's for a reason not yet found: refused
+NOT_EXACT = {
+    "deepseek_v4": "its routers' gradients differ from one process's at tp 2 (by 100 %, the loss exact), "
+    "even with only the embedding and the head split",
+}
 
 
 def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -23,6 +30,8 @@ def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str
     Raises ``ValueError`` for a config without a plan (none given) or heads that ``tp`` does not divide.
     """
     config = prepared_config(config)
+    if config.model_type in NOT_EXACT:
+        raise ValueError(f"{type(config).__name__} is refused at --tp {tp}: {NOT_EXACT[config.model_type]}")
     if given is not None:
         config = copy_config(config)
         config.base_model_tp_plan = dict(given)
@@ -39,7 +48,20 @@ def tp_plan(config, tp: int, given: Mapping[str, str] | None = None) -> dict[str
             if isinstance(size, int) and size % tp:
                 raise ValueError(f"--tp {tp} does not divide the model's {size} {what}")
     model = meta_model(config)
-    return dict(model.tp_plan) | _per_head_norms(model, config) | _scalar_weights(model)
+    plan = dict(model.tp_plan) if given is not None else _present(model, dict(model.tp_plan))
+    return plan | _per_head_norms(model, config) | _scalar_weights(model)
+
+
+def _present(model, plan: dict[str, str]) -> dict[str, str]:
+    """The family's own plan less the patterns this config's model has nothing for (Qwen3-MoE's plan
+    names a dense MLP that only ``mlp_only_layers`` have): a family's plan covers all its variants."""
+    names = [n.split(".") for n, _ in [*model.named_modules(), *model.named_parameters()]]
+
+    def found(pattern: str) -> bool:
+        parts = pattern.split(".")
+        return any(len(n) == len(parts) and all(map(fnmatch, n, parts)) for n in names)
+
+    return {pattern: style for pattern, style in plan.items() if found(pattern)}
 
 
 def _per_head_norms(model, config) -> dict[str, str]:
