@@ -78,7 +78,24 @@ def placement_for(schedule: str, pp: int, chunks: int):
 @functools.lru_cache(maxsize=4096)
 def held_microbatches(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
     """Per rank: the most (micro-batch, stage) pairs it holds at once, and the most of them on the last
-    virtual stage (whose head keeps the logits); from the schedule's own order of actions."""
+    virtual stage (whose head keeps the logits); from the schedule's own order of actions.
+
+    A schedule that bounds what it holds reaches its bound after a few rounds of warm-up: when the
+    counts at ``HELD_SETTLED`` rounds and twice that agree, they hold for any longer step too (a test
+    checks it on every schedule), and a long step is not generated."""
+    settled = HELD_SETTLED * pp * chunks
+    if microbatches > 2 * settled:
+        short = _held(schedule, pp, settled, chunks)
+        if short == _held(schedule, pp, 2 * settled, chunks):
+            return short
+    return _held(schedule, pp, microbatches, chunks)
+
+
+HELD_SETTLED = 2  # rounds of pp x chunks micro-batches after which a bounded schedule holds its most
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
     last = placement.num_virtual - 1

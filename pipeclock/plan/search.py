@@ -6,15 +6,18 @@ the schedule (pipeclock's seven; one stage needs none) with its chunks per rank 
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
 A configuration whose states alone (weights, gradients, optimizer state, sharded as far as it goes)
-exceed the GPU is dropped at once. The others are ordered by a floor on their step time, computed
-without simulating (`pipeclock.plan.cluster_time.pipeline_floor`, plus what data parallel and the
-optimizer add for sure), and judged best-first: the fullest GPU's memory, and where it fits, the step
+exceed the GPU is dropped at once. The others wait in a queue ordered by a floor on their step time:
+first the cheapest (`pipeclock.plan.cluster_time.work_floor`: the work spread evenly over the stages),
+and when one reaches the front, the tighter one its schedule gives (`pipeline_floor`, plus what data
+parallel and the optimizer add for sure), with which it queues again; at the front a second time it is
+judged: the fullest GPU's memory, and where it fits, the step
 from the program simulator. The search stops once no floor left can beat the ``top``-th best step
 found; the simulations themselves are cached by their costs' ratios.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -31,6 +34,7 @@ from pipeclock.plan.cluster_time import (
     pipeline_floor,
     stage_costs,
     step_time,
+    work_floor,
 )
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -67,7 +71,7 @@ def search(
     fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
-    floors = []
+    queue: list[tuple[float, int, bool, Config]] = []  # (floor, order, refined, config): a heap
     leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
     for config in configurations(model, cluster, job, fixed):
         result.considered += 1
@@ -76,12 +80,17 @@ def search(
             leanest = (static, config)
         if static > capacity:
             continue
-        floors.append((_floor(model, config, job, software, rates), len(floors), config))
-    floors.sort(key=lambda entry: entry[:2])
+        queue.append((work_floor(model, config, job, software, rates), len(queue), False, config))
+    heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
-    for floor, _, config in floors:
+    while queue:
+        floor, order, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
+        if not refined:  # the cheap floor let it this far: compute the tighter one, and queue it again
+            tight = max(floor, _floor(model, config, job, software, rates))
+            heapq.heappush(queue, (tight, order, True, config))
+            continue
         memory = gpu_memory(model, config, job, software)
         result.judged += 1
         if memory.total > capacity:
