@@ -44,7 +44,7 @@ def test_the_parameter_count_on_paper_is_the_built_models(name):
 
 @pytest.mark.parametrize("size", ["8b", "70b", "405b"])
 def test_a_llama_config_is_counted_from_its_file_as_the_meta_model_counts_it(size):
-    config = read_config(DOCS / f"llama-3.1-{size}.json")
+    config = transformers.AutoConfig.from_pretrained(str(DOCS / f"llama-3.1-{size}.json"))
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config)
     assert paper_model(config).parameters() == sum(p.numel() for p in built.parameters())
@@ -189,3 +189,25 @@ def test_tensor_and_sequence_parallel_split_what_a_layer_keeps():
     assert layer_bytes(model, "none", 2, fused=True, tp=2, sp=True) == pytest.approx(whole / 2)
     assert layer_bytes(model, "none", 2, fused=True, tp=2) > whole / 2  # the norms stay whole
     assert layer_bytes(model, "full", 2, tp=2, sp=True) == layer_bytes(model, "full", 2) / 2
+
+
+@pytest.mark.parametrize("size", ["8b", "70b", "405b"])
+def test_a_llama_config_read_without_transformers_plans_as_its_config_class(size):
+    from transformers import AutoConfig
+
+    path = DOCS / f"llama-3.1-{size}.json"
+    assert paper_model(read_config(path)) == paper_model(AutoConfig.from_pretrained(str(path)))
+
+
+def test_planning_a_llama_config_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pipeclock.plan.hf_paper import paper_model, read_config; "
+        f"paper_model(read_config({str(DOCS / 'llama-3.1-405b.json')!r})); "
+        "print('transformers' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    )
