@@ -162,3 +162,23 @@ def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, ar
     assert code == 2 and out == ""
     assert err.startswith("pipeclock plan: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_long_search_shows_one_progress_line_off_a_terminal_and_none_in_its_first_second():
+    import io
+
+    from pipeclock.cli.search_progress import SearchProgress
+
+    stream = io.StringIO()
+    progress = SearchProgress(stream)
+    progress(4096, 0, None)
+    assert stream.getvalue() == ""  # within the first second: nothing
+    progress.started -= 2.0
+    progress(8192, 3, 12.5)
+    progress.shown -= 1.0
+    progress(8192, 9, 11.0)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        "pipeclock plan: searching: 8,192 configurations considered, 3 judged, best step so far 12.5 s ..."
+    ]

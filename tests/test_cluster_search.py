@@ -145,7 +145,7 @@ def test_a_long_step_holds_what_its_settled_rounds_hold(schedule):
             continue
         if schedule in ("zb-v", "dualpipev") and chunks != 2:
             continue
-        for m in range(4 * pp * chunks + 1, 6 * pp * chunks + 3):
+        for m in range(2 * pp * chunks + 1, 6 * pp * chunks + 3):
             try:
                 long = _held(schedule, pp, m, chunks)
             except ValueError:

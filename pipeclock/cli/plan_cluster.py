@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from pipeclock.cli.search_progress import SearchProgress
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
@@ -78,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()
-    result = search(model, cluster, job, software, fixed, top=1 if fixed else args.top)
+    progress = SearchProgress()
+    try:
+        result = search(model, cluster, job, software, fixed, top=1 if fixed else args.top, progress=progress)
+    finally:
+        progress.close()
     seconds = time.perf_counter() - started
     if args.json:
         return _print_json(result, fixed)

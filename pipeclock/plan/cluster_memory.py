@@ -91,7 +91,7 @@ def held_microbatches(schedule: str, pp: int, microbatches: int, chunks: int) ->
     return _held(schedule, pp, microbatches, chunks)
 
 
-HELD_SETTLED = 2  # rounds of pp x chunks micro-batches after which a bounded schedule holds its most
+HELD_SETTLED = 1  # rounds of pp x chunks micro-batches after which a bounded schedule holds its most
 
 
 @functools.lru_cache(maxsize=4096)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
@@ -66,8 +66,11 @@ def search(
     software: Software,
     fixed: dict | None = None,
     top: int = 5,
+    progress: Callable[[int, int, float | None], None] | None = None,
 ) -> SearchResult:
-    """The ``top`` fastest configurations that fit (see the module's order of work)."""
+    """The ``top`` fastest configurations that fit (see the module's order of work). ``progress``, when
+    given, is called now and then with (configurations considered, judged, the best step so far)."""
+    progress = progress or (lambda _considered, _judged, _best: None)
     fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
@@ -75,6 +78,8 @@ def search(
     leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
     for config in configurations(model, cluster, job, fixed):
         result.considered += 1
+        if result.considered % 4096 == 0:
+            progress(result.considered, 0, None)
         static = static_floor(model, config, software)
         if leanest is None or static < leanest[0]:
             leanest = (static, config)
@@ -91,6 +96,7 @@ def search(
             tight = max(floor, _floor(model, config, job, software, rates))
             heapq.heappush(queue, (tight, order, True, config))
             continue
+        progress(result.considered, result.judged, ranked[0][0] if ranked else None)
         memory = gpu_memory(model, config, job, software)
         result.judged += 1
         if memory.total > capacity:
