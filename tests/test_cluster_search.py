@@ -61,7 +61,7 @@ def test_a_pruned_search_finds_the_best_that_judging_every_configuration_finds()
         {"tp": 2, "pp": 4},
         {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1", "microbatch-size": 2},
         {"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2, "recompute": "full", "zero": 1},
-        {"tp": 4, "sp": True, "recompute": "selective", "zero": 3},
+        {"tp": 4, "sp": True, "recompute": "selective-op", "zero": 3},
         {"pp": 2, "schedule": "dualpipev"},
     ],
 )

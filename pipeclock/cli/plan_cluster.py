@@ -20,7 +20,7 @@ from pipeclock.cli.search_progress import SearchProgress
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
-from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Job, Software
+from pipeclock.plan.cluster_config import RECOMPUTES, RETIRED_RECOMPUTES, ZERO_STAGES, Job, Software
 from pipeclock.plan.gpus import Cluster, load_spec, parse_cluster
 from pipeclock.plan.hf_paper import max_positions, paper_model, read_config
 from pipeclock.plan.paper_model import PaperModel, gpt_model, mlp_model
@@ -170,6 +170,8 @@ def _fixed_value(knob: str, value: str):
             raise ValueError(f"--fix schedule={value}: unknown schedule; use {', '.join(SCHEDULES)}")
         return value
     if knob == "recompute":
+        if value in RETIRED_RECOMPUTES:
+            raise ValueError(f"--fix recompute={value} is two policies now: {RETIRED_RECOMPUTES[value]}")
         if value not in RECOMPUTES:
             raise ValueError(f"--fix recompute={value}: use {', '.join(RECOMPUTES)}")
         return value

@@ -151,7 +151,10 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     kept = held_all * most_layers * per_layer * tokens
     if last:
         kept += held_last * activations.head_bytes(model, a, fused, tp, sp) * tokens
-    rebuild = activations.layer_bytes(model, "none", a, fused, tp, sp) if config.recompute != "none" else 0
+    rebuild = {
+        "none": 0.0,
+        "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
+    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from pipeclock.engine.actions import join_first_stage_backwards, placement_of, validate
+from pipeclock.engine.actions import join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import V_SCHEDULES, generate
 from pipeclock.engine.program import lower
 from pipeclock.engine.program_run import simulate_program
@@ -93,7 +93,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     forward = products + attention + elementwise + collectives
     again = {
         "none": 0.0,
-        "selective": elementwise + sum(seconds for g, seconds in each if not g.kept),
+        "selective-attention": attention,
+        "selective-op": elementwise + sum(seconds for g, seconds in each if not g.kept),
         "full": forward,
     }[config.recompute]
     return LayerTime(
@@ -317,12 +318,12 @@ def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tup
 
 @functools.lru_cache(maxsize=32)
 def _program(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[list, tuple]:
-    """The schedule's program as the engine runs it (first-stage backwards joined), checked once, and
-    each rank's virtual stage per chunk: costs change from one simulation to the next, this does not."""
+    """The schedule's program as the engine runs it (first-stage backwards joined), and each rank's
+    virtual stage per chunk: costs change from one simulation to the next, this does not. The table is
+    a generator's, which the engine's tests hold valid; it is not checked again here."""
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
     joined = join_first_stage_backwards(table)
-    validate(joined, pp, microbatches, chunks)
     stages = tuple(tuple(placement.stage(rank, chunk) for chunk in range(chunks)) for rank in range(pp))
     return lower(joined), stages
 
