@@ -10,9 +10,10 @@ exceed the GPU is dropped at once. The others wait in a queue ordered by a floor
 first the cheapest (`pipeclock.plan.cluster_time.work_floor`: the work spread evenly over the stages),
 and when one reaches the front, the tighter one its schedule gives (`pipeline_floor`, plus what data
 parallel and the optimizer add for sure), with which it queues again; at the front a second time it is
-judged: the fullest GPU's memory, and where it fits, the step
-from the program simulator. The search stops once no floor left can beat the ``top``-th best step
-found; the simulations themselves are cached by their costs' ratios.
+judged: the fullest GPU's memory, and where it fits, the step from the program simulator. A
+selective-attention configuration is not judged when the same one without recompute fit: it does the
+same work plus the attention core again, on the same schedule. The search stops once no floor left can
+beat the ``top``-th best step found; the simulations themselves are cached by their costs' ratios.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def search(
         queue.append((work_floor(model, config, job, software, rates), len(queue), False, config))
     heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
+    fit: set[Config] = set()
     while queue:
         floor, order, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
@@ -96,6 +98,8 @@ def search(
             tight = max(floor, _floor(model, config, job, software, rates))
             heapq.heappush(queue, (tight, order, True, config))
             continue
+        if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
+            continue  # the same run keeping the attention core too fits, and skips the core's second run
         progress(result.considered, result.judged, ranked[0][0] if ranked else None)
         memory = gpu_memory(model, config, job, software)
         result.judged += 1
@@ -104,6 +108,7 @@ def search(
                 result.smallest = _judged(model, config, job, software, cluster, memory)
             continue
         result.fitting += 1
+        fit.add(config)
         prediction = _judged(model, config, job, software, cluster, memory)
         result.simulated += 1
         twin = next((i for i, (_, p) in enumerate(ranked) if _twins(p, prediction)), None)
