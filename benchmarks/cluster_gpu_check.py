@@ -114,7 +114,8 @@ def predicted(sizes: dict, recompute: str, batch: int, seq: int, kind_name: str)
 
     model = paper_model(LlamaConfig(**sizes), "Llama 1.2B")
     config = Config(tp=1, pp=1, dp=1, schedule="1f1b", chunks=1, microbatch_size=batch, microbatches=1,
-                    recompute=recompute, zero=0, sequence_parallel=False)  # fmt: skip
+                    recompute={"selective": "selective-op"}.get(recompute, recompute), zero=0,
+                    sequence_parallel=False)  # fmt: skip
     answer = predict(model, config, Job(batch, seq), Software("bf16"), Cluster(1, KINDS[kind_name]))
     return {"tokens_per_s": answer.tokens_per_second_per_gpu, "allocated_bytes": answer.memory.allocated,
             "total_bytes": answer.memory.total, "step_s": answer.time.step}  # fmt: skip

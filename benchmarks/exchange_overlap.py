@@ -42,7 +42,7 @@ def deepseek_costs(chunks: int) -> list[dict[str, float]]:
 
     model = paper_model(read_config(CONFIGS / "deepseek-v3.json"), "DeepSeek-V3")
     schedule = "dualpipev" if chunks == 2 else "1f1b"
-    config = Config(1, PP, 128, schedule, chunks, 1, MICROBATCHES, "selective", 1, False, 64)
+    config = Config(1, PP, 128, schedule, chunks, 1, MICROBATCHES, "selective-op", 1, False, 64)
     software = Software("fp8", True, False)
     return stage_costs(
         model, config, Job(15360, 4096), software, Rates(load_spec(CONFIGS / "h800.json"), software)

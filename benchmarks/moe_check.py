@@ -10,7 +10,7 @@ the experts in fp8 and combined in bf16; §4.2: sequences of 4,096 tokens, 15,36
 469B tokens' ramp). The model is its Hugging Face config (docs/cluster/deepseek-v3.json, transformers'
 DeepseekV3Config defaults: 61 layers, MLA, 256 routed experts and one shared, top 8 of at most 4
 groups); the GPU docs/cluster/h800.json. The micro-batch size and recompute are left to the search (the
-report recomputes the norms and MLA's up-projections: lighter than "selective").
+report recomputes the norms and MLA's up-projections: lighter than "selective-op").
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def memory(args: argparse.Namespace, block) -> None:
     print("  DeepSeek-V3 (256 experts a layer) on 2,048 GPUs, pp 16 x dp 128, ZeRO-1, fp8, the planner's "
           "fullest GPU:")  # fmt: skip
     for ep in (1, 8, 64):
-        config = Config(1, 16, 128, "dualpipev", 2, 1, 120, "selective", 1, False, ep)
+        config = Config(1, 16, 128, "dualpipev", 2, 1, 120, "selective-op", 1, False, ep)
         used = gpu_memory(model, config, Job(15360, 4096), Software("fp8", True))
         states = used.weights + used.gradients + used.optimizer
         print(

@@ -21,6 +21,8 @@ def plan(monkeypatch, capsys, *args):
     monkeypatch.setattr(sys, "argv", ["pipeclock", "plan"])
     code = main(["plan", *args])
     out, err = capsys.readouterr()
+    # a search past a second (a loaded machine) reports its progress on stderr: not what these tests hold
+    err = "".join(line for line in err.splitlines(True) if not line.startswith("pipeclock plan: searching:"))
     return code, out, err
 
 
@@ -163,6 +165,8 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--hf-config", "HEADS"], "hidden size (100) is not a multiple of the"),
         (["--cluster", "64xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=32,chunks=5"],
          "--fix pp=32 x chunks=5 is 160 virtual stages, more than the model's 126 layers"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "recompute=selective"],
+         "--fix recompute=selective is two policies now: selective-attention (Megatron-LM's"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, args, message):
@@ -174,3 +178,23 @@ def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, ar
     assert code == 2 and out == ""
     assert err.startswith("pipeclock plan: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_long_search_shows_one_progress_line_off_a_terminal_and_none_in_its_first_second():
+    import io
+
+    from pipeclock.cli.search_progress import SearchProgress
+
+    stream = io.StringIO()
+    progress = SearchProgress(stream)
+    progress(4096, 0, None)
+    assert stream.getvalue() == ""  # within the first second: nothing
+    progress.started -= 2.0
+    progress(8192, 3, 12.5)
+    progress.shown -= 1.0
+    progress(8192, 9, 11.0)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        "pipeclock plan: searching: 8,192 configurations considered, 3 judged, best step so far 12.5 s ..."
+    ]

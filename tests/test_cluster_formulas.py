@@ -44,7 +44,7 @@ def test_the_parameter_count_on_paper_is_the_built_models(name):
 
 @pytest.mark.parametrize("size", ["8b", "70b", "405b"])
 def test_a_llama_config_is_counted_from_its_file_as_the_meta_model_counts_it(size):
-    config = read_config(DOCS / f"llama-3.1-{size}.json")
+    config = transformers.AutoConfig.from_pretrained(str(DOCS / f"llama-3.1-{size}.json"))
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config)
     assert paper_model(config).parameters() == sum(p.numel() for p in built.parameters())
@@ -152,7 +152,32 @@ def test_selective_recompute_keeps_the_input_attentions_output_and_every_other_p
     lse = config.num_attention_heads * 4
     assert [name for name in outputs] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                           "down_proj"]  # fmt: skip
-    assert layer_bytes(paper_model(config), "selective", 4) == measured / tokens + lse
+    assert layer_bytes(paper_model(config), "selective-op", 4) == measured / tokens + lse
+
+
+def test_megatrons_selective_recompute_drops_only_the_attention_cores_log_sum_exp_and_runs_it_again():
+    """Korthikanti et al. 2022 recompute the attention core from the q, k, v kept: with a flash-style
+    kernel (no square kept either way) that saves the log-sum-exp and costs the core's forward again."""
+    from pipeclock.plan.cluster_config import Config, Job, Software
+    from pipeclock.plan.cluster_time import Rates, layer_time
+    from pipeclock.plan.gpus import KINDS
+
+    model = paper_model(_llama())
+    lse = model.heads * 4
+    assert layer_bytes(model, "selective-attention", 2) == layer_bytes(model, "none", 2) - lse
+    assert layer_bytes(model, "selective-op", 2) < layer_bytes(model, "selective-attention", 2)
+    job, software = Job(4, 4096), Software("bf16")
+    rates = Rates(KINDS["H100-80GB"], software)
+    times = {
+        recompute: layer_time(
+            model, Config(1, 1, 1, "1f1b", 1, 1, 4, recompute, 0, False), job, software, rates
+        )
+        for recompute in ("none", "selective-attention", "selective-op")
+    }
+    attention = model.attention_flops(4096) * 4096 / rates.attention
+    assert times["selective-attention"].recompute == pytest.approx(attention)
+    assert times["selective-attention"].input_grad == pytest.approx(times["none"].input_grad + attention)
+    assert times["selective-attention"].recompute < times["selective-op"].recompute
 
 
 def _record(outputs: dict, name: str):
@@ -189,3 +214,25 @@ def test_tensor_and_sequence_parallel_split_what_a_layer_keeps():
     assert layer_bytes(model, "none", 2, fused=True, tp=2, sp=True) == pytest.approx(whole / 2)
     assert layer_bytes(model, "none", 2, fused=True, tp=2) > whole / 2  # the norms stay whole
     assert layer_bytes(model, "full", 2, tp=2, sp=True) == layer_bytes(model, "full", 2) / 2
+
+
+@pytest.mark.parametrize("size", ["8b", "70b", "405b"])
+def test_a_llama_config_read_without_transformers_plans_as_its_config_class(size):
+    from transformers import AutoConfig
+
+    path = DOCS / f"llama-3.1-{size}.json"
+    assert paper_model(read_config(path)) == paper_model(AutoConfig.from_pretrained(str(path)))
+
+
+def test_planning_a_llama_config_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pipeclock.plan.hf_paper import paper_model, read_config; "
+        f"paper_model(read_config({str(DOCS / 'llama-3.1-405b.json')!r})); "
+        "print('transformers' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    )

@@ -61,7 +61,7 @@ def test_a_pruned_search_finds_the_best_that_judging_every_configuration_finds()
         {"tp": 2, "pp": 4},
         {"tp": 1, "pp": 2, "dp": 8, "schedule": "zb-h1", "microbatch-size": 2},
         {"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2, "recompute": "full", "zero": 1},
-        {"tp": 4, "sp": True, "recompute": "selective", "zero": 3},
+        {"tp": 4, "sp": True, "recompute": "selective-op", "zero": 3},
         {"pp": 2, "schedule": "dualpipev"},
     ],
 )
@@ -133,3 +133,38 @@ def test_the_seeds_question_on_the_seeds_hardware_does_not_fit_and_says_how_much
     assert found.smallest.memory.total > card.memory
     assert model.parameters() * 18 > 4 * card.memory  # bf16 copy, fp32 gradient, masters, Adam: 18 B each
     assert search(model, Cluster(16, card), Job(128, 1), SOFTWARE, top=1).ranked
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_a_long_step_holds_what_its_settled_rounds_hold(schedule):
+    """`held_microbatches` reads a long step off two short ones when they agree: exact on every schedule."""
+    from pipeclock.plan.cluster_memory import _held, held_microbatches
+
+    for pp, chunks in ((2, 1), (3, 2), (4, 2), (4, 3), (5, 2)):
+        if chunks > 1 and schedule not in ("interleaved-1f1b", "zb-v", "dualpipev"):
+            continue
+        if schedule in ("zb-v", "dualpipev") and chunks != 2:
+            continue
+        for m in range(2 * pp * chunks + 1, 6 * pp * chunks + 3):
+            try:
+                long = _held(schedule, pp, m, chunks)
+            except ValueError:
+                continue
+            assert held_microbatches(schedule, pp, m, chunks) == long
+
+
+def test_the_cached_program_simulates_as_the_simulator_does():
+    from pipeclock.plan.cluster_time import simulated
+
+    costs = ((1.0, 2.1, 1.2, 0.9), (0.8, 1.7, 0.9, 0.8), (1.3, 2.2, 1.0, 1.2), (0.7, 1.4, 0.8, 0.6))
+    ops = {"F": 0, "B": 1, "I": 2, "W": 3}
+    for schedule, chunks in (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)):
+        pp = len(costs) // chunks
+        table = generate(schedule, pp, 8, chunks)
+        placement = placement_of(table)
+        timeline = simulate(join_first_stage_backwards(table),
+                            lambda r, a, p=placement: costs[p.stage(r, a.chunk)][ops[a.op]],
+                            comm_latency=0.05)  # fmt: skip
+        run = simulated(schedule, pp, 8, chunks, costs, 0.05)
+        assert run.makespan == pytest.approx(timeline.makespan, rel=1e-12)
+        assert run.bubble == pytest.approx(timeline.bubble_share, rel=1e-9)

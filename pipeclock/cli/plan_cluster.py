@@ -16,10 +16,11 @@ import json
 import time
 from pathlib import Path
 
+from pipeclock.cli.search_progress import SearchProgress
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
-from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Job, Software
+from pipeclock.plan.cluster_config import RECOMPUTES, RETIRED_RECOMPUTES, ZERO_STAGES, Job, Software
 from pipeclock.plan.gpus import Cluster, load_spec, parse_cluster
 from pipeclock.plan.hf_paper import max_positions, paper_model, read_config
 from pipeclock.plan.paper_model import PaperModel, gpt_model, mlp_model
@@ -78,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()
-    result = search(model, cluster, job, software, fixed, top=1 if fixed else args.top)
+    progress = SearchProgress()
+    try:
+        result = search(model, cluster, job, software, fixed, top=1 if fixed else args.top, progress=progress)
+    finally:
+        progress.close()
     seconds = time.perf_counter() - started
     if args.json:
         return _print_json(result, fixed)
@@ -165,6 +170,8 @@ def _fixed_value(knob: str, value: str):
             raise ValueError(f"--fix schedule={value}: unknown schedule; use {', '.join(SCHEDULES)}")
         return value
     if knob == "recompute":
+        if value in RETIRED_RECOMPUTES:
+            raise ValueError(f"--fix recompute={value} is two policies now: {RETIRED_RECOMPUTES[value]}")
         if value not in RECOMPUTES:
             raise ValueError(f"--fix recompute={value}: use {', '.join(RECOMPUTES)}")
         return value

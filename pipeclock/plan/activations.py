@@ -14,10 +14,13 @@ Hugging Face Llama on this CPU). Per layer and token, with ``a`` the bytes of an
   values before and after the activation (2 x ffn). A mixture keeps that for each expert a token uses.
 
 Recompute: ``full`` keeps each layer's input only and runs the layer's forward again in its backward;
-``selective`` is torchtitan's op-level policy: the layer keeps its input, attention's output and the
-outputs of every other matrix product in the order it runs them (`PaperModel.gemms`: q, v, gate and down
-of a Llama layer), and recomputes the rest, the other products (k, o, up) and every elementwise
-operation, in its backward.
+``selective-attention`` is Megatron-LM's (Korthikanti et al. 2022): the attention core (softmax of the
+scores, its dropout, the product with v) runs again in the backward from the q, k, v kept; with a
+flash-style kernel, which keeps no square anyway, that saves only the log-sum-exp, and without one it is
+what keeps the square out of memory. ``selective-op`` is torchtitan's op-level policy: the layer keeps
+its input, attention's output and the outputs of every other matrix product in the order it runs them
+(`PaperModel.gemms`: q, v, gate and down of a Llama layer), and recomputes the rest, the other products
+(k, o, up) and every elementwise operation, in its backward.
 
 Tensor parallel divides the head-sized and FFN-sized tensors by tp (at least one key/value head per
 rank); sequence parallel divides the width-sized ones too. The ShardedMLP keeps each layer's input and
@@ -50,7 +53,9 @@ def layer_bytes(
         return h * a / width
     kv, q = kv_width(model, tp), model.q_dim / tp
     lse = model.heads / tp * LSE_BYTES
-    if recompute == "selective":
+    if recompute == "selective-attention":
+        return layer_bytes(model, "none", a, fused, tp, sp) - lse
+    if recompute == "selective-op":
         kept = sum(output_width(model, g, tp, sp) * g.count for g in model.gemms() if g.kept)
         return (h / width + kept + q) * a + lse
     attention = (2.0 * q + 2.0 * kv) * a + lse

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RECOMPUTES = ("none", "selective", "full")
+# selective-attention: Megatron-LM's (Korthikanti et al. 2022), the attention core run again;
+# selective-op: torchtitan's op-level policy, every other matrix product's output kept
+RECOMPUTES = ("none", "selective-attention", "selective-op", "full")
+RETIRED_RECOMPUTES = {
+    "selective": "selective-attention (Megatron-LM's: the attention core) or selective-op "
+    "(torchtitan's: every other matrix product)"
+}
 ZERO_STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp8")
 ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}

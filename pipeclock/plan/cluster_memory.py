@@ -78,7 +78,24 @@ def placement_for(schedule: str, pp: int, chunks: int):
 @functools.lru_cache(maxsize=4096)
 def held_microbatches(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
     """Per rank: the most (micro-batch, stage) pairs it holds at once, and the most of them on the last
-    virtual stage (whose head keeps the logits); from the schedule's own order of actions."""
+    virtual stage (whose head keeps the logits); from the schedule's own order of actions.
+
+    A schedule that bounds what it holds reaches its bound after a few rounds of warm-up: when the
+    counts at ``HELD_SETTLED`` rounds and twice that agree, they hold for any longer step too (a test
+    checks it on every schedule), and a long step is not generated."""
+    settled = HELD_SETTLED * pp * chunks
+    if microbatches > 2 * settled:
+        short = _held(schedule, pp, settled, chunks)
+        if short == _held(schedule, pp, 2 * settled, chunks):
+            return short
+    return _held(schedule, pp, microbatches, chunks)
+
+
+HELD_SETTLED = 1  # rounds of pp x chunks micro-batches after which a bounded schedule holds its most
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
     last = placement.num_virtual - 1
@@ -134,7 +151,10 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     kept = held_all * most_layers * per_layer * tokens
     if last:
         kept += held_last * activations.head_bytes(model, a, fused, tp, sp) * tokens
-    rebuild = activations.layer_bytes(model, "none", a, fused, tp, sp) if config.recompute != "none" else 0
+    rebuild = {
+        "none": 0.0,
+        "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
+    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from pipeclock.engine.actions import join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import V_SCHEDULES, generate
+from pipeclock.engine.program import lower
+from pipeclock.engine.program_run import simulate_program
 from pipeclock.observe.simulate import simulate
 from pipeclock.plan import activations, calibration, experts
 from pipeclock.plan.cluster_config import Config, Job, Software
@@ -76,6 +78,8 @@ class Rates:
         self.a = software.activation_bytes
         self.gpu = gpu
         self.per_layer: dict[tuple, tuple] = {}  # a search asks for the same layer's costs often
+        self.per_stages: dict[tuple, list] = {}
+        self.stage_parameters: dict[tuple, list] = {}
 
 
 def layer_time(model: PaperModel, config: Config, job: Job, software: Software, rates: Rates) -> LayerTime:
@@ -94,7 +98,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     forward = products + attention + elementwise + collectives + exchange.forward
     again = {
         "none": 0.0,
-        "selective": elementwise + sum(seconds for g, seconds in each if not g.kept),
+        "selective-attention": attention,
+        "selective-op": elementwise + sum(seconds for g, seconds in each if not g.kept),
         "full": forward,
     }[config.recompute]
     return LayerTime(
@@ -134,21 +139,12 @@ def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Sof
 
 def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     """Each virtual stage's F, B, I, W for one micro-batch: its layers, plus the embedding (first) and
-    the head with the loss (last)."""
-    key = (
-        model,
-        config.tp,
-        config.sequence_parallel,
-        config.recompute,
-        config.microbatch_size,
-        job,
-        software,
-    )
-    if key not in rates.per_layer:
-        tokens = config.microbatch_size * job.seq_len
-        ends = _ends(model, config, tokens, software, rates)
-        rates.per_layer[key] = layer_time(model, config, job, software, rates), ends
-    layer, ends = rates.per_layer[key]
+    the head with the loss (last). Cached on ``rates``: the caller must not change them."""
+    key = _layer_key(model, config, job, software)
+    cached = rates.per_stages.get((key, config.pp, config.chunks))
+    if cached is not None:
+        return cached
+    layer, ends = _layer_and_ends(model, config, job, software, rates)
     cuts = stage_layers(model, config)
     costs = []
     for index, cut in enumerate(cuts):
@@ -161,7 +157,31 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
                     cost[op] += ends[end][op]
         cost["B"] = cost["I"] + cost["W"]
         costs.append(cost)
+    rates.per_stages[(key, config.pp, config.chunks)] = costs
     return costs
+
+
+def _layer_key(model, config, job, software) -> tuple:
+    return (model, config.tp, config.sequence_parallel, config.recompute, config.microbatch_size, job,
+            software)  # fmt: skip
+
+
+def _layer_and_ends(model, config, job, software, rates) -> tuple[LayerTime, dict]:
+    key = _layer_key(model, config, job, software)
+    if key not in rates.per_layer:
+        tokens = config.microbatch_size * job.seq_len
+        ends = _ends(model, config, tokens, software, rates)
+        rates.per_layer[key] = layer_time(model, config, job, software, rates), ends
+    return rates.per_layer[key]
+
+
+def work_floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+    """A cheap floor on the step, with no schedule read: the pipeline's work spread evenly over its
+    ranks, plus the optimizer (`pipeline_floor` is tighter and costs more)."""
+    layer, ends = _layer_and_ends(model, config, job, software, rates)
+    work = model.layers * (layer.forward + layer.input_grad + layer.weight_grad)
+    work += sum(ends[end][op] for end in ("first", "last") for op in ("F", "I", "W"))
+    return config.microbatches * work / config.pp + optimizer_seconds(model, config, rates)
 
 
 def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]:
@@ -208,28 +228,50 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
       and before the last one's gradient has gone back to the first stage (each hop across ranks costing
       at least one message).
     """
-    placement = placement_for(config.schedule, config.pp, config.chunks)
-    costs = [_compute_only(cost) for cost in costs]  # an all-to-all may hide under a paired action
-    m, last = config.microbatches, len(costs) - 1
-    split = splits_backward(config.schedule)
+    ranks, chain, chain_per_microbatch = _floor_terms(config.schedule, config.pp, config.chunks, costs)
+    m = config.microbatches
+    busiest = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
+    return max(busiest, chain + m * chain_per_microbatch + 2 * (config.pp - 1) * transfer)
+
+
+_FLOOR_TERMS: dict[tuple, tuple] = {}
+
+
+def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
+    """`pipeline_floor`'s terms, linear in the micro-batch count: per rank (what precedes and follows
+    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch). Kept
+    while ``costs`` (a list `stage_costs` caches) lives."""
+    key = (id(costs), schedule, pp, chunks)
+    cached = _FLOOR_TERMS.get(key)
+    if cached is not None and cached[0] is costs:
+        return cached[1]
+    terms = _floor_terms_of(schedule, pp, chunks, [_compute_only(cost) for cost in costs])
+    if len(_FLOOR_TERMS) > 4096:
+        _FLOOR_TERMS.clear()
+    _FLOOR_TERMS[key] = (costs, terms)
+    return terms
+
+
+def _floor_terms_of(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
+    placement = placement_for(schedule, pp, chunks)
+    last = len(costs) - 1
+    split = splits_backward(schedule)
     gradient = "I" if split else "B"
     before, after = [0.0], [0.0]
     for cost in costs:
         before.append(before[-1] + cost["F"])
         after.append(after[-1] + cost["B"])
-    busiest = max(
-        before[min(stages)]
-        + m * sum(costs[s]["F"] + costs[s]["B"] for s in stages)
-        + (0.0 if split else after[min(stages)])
-        for stages in placement.stages
-    )
+    ranks = []
+    for stages in placement.stages:
+        first = min(stages)
+        fixed = before[first] + (0.0 if split else after[first])
+        ranks.append((fixed, sum(costs[s]["F"] + costs[s]["B"] for s in stages)))
     chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
-    chain += m * (costs[last]["F"] + costs[last][gradient]) + 2 * (config.pp - 1) * transfer
-    return max(busiest, chain)
+    return tuple(ranks), chain, costs[last]["F"] + costs[last][gradient]
 
 
 def _compute_only(cost: dict[str, float]) -> dict[str, float]:
-    """A stage's costs without its all-to-alls."""
+    """A stage's costs without its all-to-alls (which may hide under a paired action)."""
     forward, backward = cost.get("xF", 0.0), cost.get("xB", 0.0)
     return {"F": cost["F"] - forward, "B": cost["B"] - backward, "I": cost["I"] - backward, "W": cost["W"]}
 
@@ -265,22 +307,50 @@ class Simulated:
 def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
     """The schedule's program simulated with per-stage ``costs`` (F, B, I, W, and the all-to-alls inside
     F and inside B or I) and each message costing ``transfer``, in the costs' unit; cached: a search asks
-    for the same ones often."""
+    for the same ones often. Without all-to-alls the lowered program is run directly (the fast path)."""
+    if any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs):
+        return _simulated_exchanging(schedule, pp, microbatches, chunks, costs, transfer)
+    programs, stages = _program(schedule, pp, microbatches, chunks)
+    ops = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+    def cost(rank: int, instruction) -> float:
+        action = instruction.action
+        return costs[stages[rank][action.chunk]][ops[action.op]]
+
+    run = simulate_program(programs, cost, transfer)
+    moments, busy, makespan = [], 0.0, 0.0
+    for rank in range(pp):
+        first, last = {}, {}
+        for instruction, start, end in run.spans[rank]:
+            if not instruction.is_compute:
+                continue
+            busy += end - start
+            makespan = max(makespan, end)
+            action = instruction.action
+            stage = stages[rank][action.chunk]
+            if action.op == "F":
+                first.setdefault(stage, start)
+            elif action.op in ("B", "W"):
+                last[stage] = (start, end)
+        moments.append(tuple((s, first[s], *last[s]) for s in sorted(first)))
+    bubble = 1.0 - busy / (pp * makespan) if makespan else 0.0
+    return Simulated(makespan, bubble, tuple(moments))
+
+
+def _simulated_exchanging(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer):
+    """`simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
+    action (``observe.simulate``'s ``exchange``)."""
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
-    ops = {"F": 0, "B": 1, "I": 2, "W": 3}
-    inside = {"F": 4, "B": 5, "I": 5}
+    ops, inside = {"F": 0, "B": 1, "I": 2, "W": 3}, {"F": 4, "B": 5, "I": 5}
 
     def exchange(rank: int, action) -> float:
-        stage = costs[placement.stage(rank, action.chunk)]
-        return stage[inside[action.op]] if action.op in inside and len(stage) > 4 else 0.0
+        return costs[placement.stage(rank, action.chunk)][inside[action.op]] if action.op in inside else 0.0
 
     def cost(rank: int, action) -> float:
         return costs[placement.stage(rank, action.chunk)][ops[action.op]] - exchange(rank, action)
 
-    exchanging = any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs)
-    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer,
-                        exchange=exchange if exchanging else None)  # fmt: skip
+    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer, exchange=exchange)
     moments = []
     for rank in range(pp):
         first, last = {}, {}
@@ -292,6 +362,18 @@ def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tup
                 last[stage] = (span.start, span.end)
         moments.append(tuple((s, first[s], *last[s]) for s in sorted(first)))
     return Simulated(timeline.makespan, timeline.bubble_share, tuple(moments))
+
+
+@functools.lru_cache(maxsize=32)
+def _program(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[list, tuple]:
+    """The schedule's program as the engine runs it (first-stage backwards joined), and each rank's
+    virtual stage per chunk: costs change from one simulation to the next, this does not. The table is
+    a generator's, which the engine's tests hold valid; it is not checked again here."""
+    table = generate(schedule, pp, microbatches, chunks)
+    placement = placement_of(table)
+    joined = join_first_stage_backwards(table)
+    stages = tuple(tuple(placement.stage(rank, chunk) for chunk in range(chunks)) for rank in range(pp))
+    return lower(joined), stages
 
 
 def step_time(model, config: Config, job: Job, software: Software, gpu: GpuKind) -> StepTime:
@@ -354,7 +436,10 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4
     cuts = stage_layers(model, config)
-    stage_parameters = [_stage_parameters(model, config, s, cuts) for s in range(len(cuts))]
+    shape = (model, config.tp, config.pp, config.chunks)
+    if shape not in rates.stage_parameters:
+        rates.stage_parameters[shape] = [_stage_parameters(model, config, s, cuts) for s in range(len(cuts))]
+    stage_parameters = rates.stage_parameters[shape]
     gradients = [sync * n * 4 / link + calibration.COLLECTIVE_LATENCY for n in stage_parameters]
     weights = [share * n * weight_bytes / link if config.zero >= 1 else 0.0 for n in stage_parameters]
     if config.zero == 3 and config.pp == 1:

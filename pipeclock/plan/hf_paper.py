@@ -9,7 +9,9 @@ the families below; any other family is taken to be Llama-shaped, as most causal
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pipeclock.plan import experts as expert_parallel
 from pipeclock.plan import latent_attention
@@ -26,13 +28,23 @@ class NotCausalLM(ValueError):
     """A config that does not describe a causal language model."""
 
 
-def read_config(path: str | Path):
-    """The ``transformers`` config at ``path`` (a config.json, or a directory holding one)."""
-    from transformers import AutoConfig
+# Families read without importing transformers (seconds of CPU) when their config.json states every size
+# the plan needs: their config classes' defaults for the rest are the ones `paper_model` assumes.
+PLAIN_JSON_FAMILIES = {"llama", "mistral"}
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 
+
+def read_config(path: str | Path):
+    """The ``transformers`` config at ``path`` (a config.json, or a directory holding one); for a
+    Llama or Mistral config that states its sizes, the JSON's fields alone (the same plan, read at once)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--hf-config {path}: no such file or directory")
+    plain = _plain_json(path / "config.json" if path.is_dir() else path)
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig
+
     from pipeclock.models.config_refusals import config_refusals
 
     try:
@@ -43,21 +55,35 @@ def read_config(path: str | Path):
         raise ValueError(f"--hf-config {path} is not a Hugging Face config: {first}") from None
 
 
+def _plain_json(path: Path) -> SimpleNamespace | None:
+    """The config's fields, when it is of a `PLAIN_JSON_FAMILIES` family and states every size as a
+    positive whole number with heads that divide the width; else None (transformers reads it)."""
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict) or fields.get("model_type") not in PLAIN_JSON_FAMILIES:
+        return None
+    sizes = [fields.get(name) for name in (*_SIZES, "num_key_value_heads")]
+    if not all(type(value) is int and value > 0 for value in sizes):
+        return None
+    hidden, heads, kv_heads = (
+        fields["hidden_size"],
+        fields["num_attention_heads"],
+        fields["num_key_value_heads"],
+    )
+    if hidden % heads or heads % kv_heads or type(fields.get("head_dim", 1)) is not int:
+        return None
+    return SimpleNamespace(**fields)
+
+
 def paper_model(config, name: str | None = None) -> PaperModel:
     """The `PaperModel` of a causal LM's config; `NotCausalLM` for any other config."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
     family = getattr(config, "model_type", "")
     kind = type(config).__name__
-    encoder = family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    if (
-        getattr(config, "is_encoder_decoder", False)
-        or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        or encoder
-    ):
+    if isinstance(config, SimpleNamespace):  # a plain JSON family: causal, and read without transformers
+        kind = f"{family} config"
+    elif _not_causal(config, family):
         raise NotCausalLM(
             f"{kind} (model_type {family!r}) is not a causal language model: plan --hf-config takes a "
             "decoder-only *ForCausalLM config"
@@ -130,3 +156,17 @@ def _experts(config) -> int:
         if isinstance(value, int) and value > 1:
             return value
     return 0
+
+
+def _not_causal(config, family: str) -> bool:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    encoder = family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    return (
+        getattr(config, "is_encoder_decoder", False)
+        or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or encoder
+    )

@@ -6,17 +6,21 @@ the schedule (pipeclock's seven; one stage needs none) with its chunks per rank 
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
 A configuration whose states alone (weights, gradients, optimizer state, sharded as far as it goes)
-exceed the GPU is dropped at once. The others are ordered by a floor on their step time, computed
-without simulating (`pipeclock.plan.cluster_time.pipeline_floor`, plus what data parallel and the
-optimizer add for sure), and judged best-first: the fullest GPU's memory, and where it fits, the step
-from the program simulator. The search stops once no floor left can beat the ``top``-th best step
-found; the simulations themselves are cached by their costs' ratios.
+exceed the GPU is dropped at once. The others wait in a queue ordered by a floor on their step time:
+first the cheapest (`pipeclock.plan.cluster_time.work_floor`: the work spread evenly over the stages),
+and when one reaches the front, the tighter one its schedule gives (`pipeline_floor`, plus what data
+parallel and the optimizer add for sure), with which it queues again; at the front a second time it is
+judged: the fullest GPU's memory, and where it fits, the step from the program simulator. A
+selective-attention configuration is not judged when the same one without recompute fit: it does the
+same work plus the attention core again, on the same schedule. The search stops once no floor left can
+beat the ``top``-th best step found; the simulations themselves are cached by their costs' ratios.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
@@ -32,6 +36,7 @@ from pipeclock.plan.cluster_time import (
     pipeline_floor,
     stage_costs,
     step_time,
+    work_floor,
 )
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -63,26 +68,40 @@ def search(
     software: Software,
     fixed: dict | None = None,
     top: int = 5,
+    progress: Callable[[int, int, float | None], None] | None = None,
 ) -> SearchResult:
-    """The ``top`` fastest configurations that fit (see the module's order of work)."""
+    """The ``top`` fastest configurations that fit (see the module's order of work). ``progress``, when
+    given, is called now and then with (configurations considered, judged, the best step so far)."""
+    progress = progress or (lambda _considered, _judged, _best: None)
     fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
-    floors = []
+    queue: list[tuple[float, int, bool, Config]] = []  # (floor, order, refined, config): a heap
     leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
     for config in configurations(model, cluster, job, fixed):
         result.considered += 1
+        if result.considered % 4096 == 0:
+            progress(result.considered, 0, None)
         static = static_floor(model, config, software)
         if leanest is None or static < leanest[0]:
             leanest = (static, config)
         if static > capacity:
             continue
-        floors.append((_floor(model, config, job, software, rates), len(floors), config))
-    floors.sort(key=lambda entry: entry[:2])
+        queue.append((work_floor(model, config, job, software, rates), len(queue), False, config))
+    heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
-    for floor, _, config in floors:
+    fit: set[Config] = set()
+    while queue:
+        floor, order, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
+        if not refined:  # the cheap floor let it this far: compute the tighter one, and queue it again
+            tight = max(floor, _floor(model, config, job, software, rates))
+            heapq.heappush(queue, (tight, order, True, config))
+            continue
+        if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
+            continue  # the same run keeping the attention core too fits, and skips the core's second run
+        progress(result.considered, result.judged, ranked[0][0] if ranked else None)
         memory = gpu_memory(model, config, job, software)
         result.judged += 1
         if memory.total > capacity:
@@ -90,6 +109,7 @@ def search(
                 result.smallest = _judged(model, config, job, software, cluster, memory)
             continue
         result.fitting += 1
+        fit.add(config)
         prediction = _judged(model, config, job, software, cluster, memory)
         result.simulated += 1
         twin = next((i for i, (_, p) in enumerate(ranked) if _twins(p, prediction)), None)
