@@ -9,6 +9,7 @@ states its limits where it declares its flags.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -55,6 +56,9 @@ class Parser(argparse.ArgumentParser):
         # which the flag's own check then names.
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
+    # A command's parser refuses words it does not know itself, rather than hand them back to the
+    # top-level parser, whose error would name neither the command nor the flag it is close to.
+    strict = False
     # A command's hook to widen its own arguments before they are read (train's --config file).
     expand_arguments: Callable[[argparse.ArgumentParser, list[str]], list[str]] | None = None
 
@@ -64,7 +68,20 @@ class Parser(argparse.ArgumentParser):
                 args = self.expand_arguments(self, list(sys.argv[1:] if args is None else args))
             except ValueError as error:
                 self.error(str(error))
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self.strict:  # a command's own parser: the error in its name, with a hint
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._nearest(extras)}")
+        return namespace, extras
+
+    def _nearest(self, extras: list[str]) -> str:
+        """`` (did you mean --steps?)`` for the first unknown flag close to one of this command's."""
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        for word in extras:
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.7)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -47,6 +47,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         module = _command_module(name) if name == chosen else None
         description = getattr(module, "DESCRIPTION", help_text)
         sub = commands.add_parser(name, help=help_text, description=description)
+        sub.strict = True
         if module is not None:
             module.add_arguments(sub)
     return parser
