@@ -1,8 +1,9 @@
 """``train --ep N`` from the command line: refused in one line where it cannot work, exact where it runs,
 and its checkpoints whole: a run saved with ep 2 resumes with ep 1 and on another pp, and exports.
 
-One launch of two ranks runs every command in turn (each refusal, then the runs); the export and its
-reading by ``transformers`` follow on this process.
+The refusals that need the model run in one launch of two ranks, those of the flags alone in this
+process; each run is a launch of its own (long); the export and its reading by ``transformers`` follow
+on this process.
 """
 
 from __future__ import annotations
@@ -27,25 +28,32 @@ EP_PLAN = {
     "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
     "layers.*.mlp.experts.down_proj": "grouped_gemm",
 }
-# Each refusal: the flags after ``train`` (``{dir}``: the launch's folder), and what its one line must say.
-REFUSALS = {
-    "ep not dividing dp": ("--hf-config {dir}/moe --dp 2 --ep 3", "--ep 3 does not divide --dp 2"),
-    "ep on the MLP": ("--model mlp --hidden 8 --layers 2 --dp 2 --ep 2", "--model mlp has none"),
+# Each refusal: the flags after ``train`` (``{dir}``: the test's folder), and what its one line must say.
+# These need the model, so they run on two ranks (every rank refuses alike, before the first step) ...
+MODEL_REFUSALS = {
     "ep on a dense model": ("--hf-config {dir}/dense --dp 2 --ep 2", "LlamaConfig is a dense model"),
     "ep not dividing the experts": (
-        "--hf-config {dir}/three --dp 2 --ep 2", "does not divide the model's 3 experts"
+        "--hf-config {dir}/three --dp 2 --ep 2",
+        "does not divide the model's 3 experts",
     ),
     "a plan naming what the model lacks": (
         "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/absent.json",
         "names model.layers.*.block_sparse_moe.experts, which the model does not have",
     ),
     "a plan with a style not applied": (
-        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/gather.json", "which pipeclock does not apply"
+        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/gather.json",
+        "which pipeclock does not apply",
     ),
+}
+# ... and these only the flags: refused before any process group, here.
+FLAG_REFUSALS = {
+    "ep not dividing dp": ("--hf-config {dir}/moe --dp 2 --ep 3", "--ep 3 does not divide --dp 2"),
+    "ep on the MLP": ("--model mlp --hidden 8 --layers 2 --dp 2 --ep 2", "--model mlp has none"),
+    "ep on the GPT": ("--model gpt --dp 2 --ep 2", "--model gpt has none"),
     "an ep plan without ep": ("--hf-config {dir}/moe --dp 2 --ep-plan {dir}/plan.json", "needs --ep N"),
     "ep with tp": ("--hf-config {dir}/moe --dp 2 --ep 2 --tp 2", "--ep 2 with --tp 2"),
     "ep with ddp": ("--hf-config {dir}/moe --dp 2 --ep 2 --data-parallel ddp", "takes --data-parallel fsdp"),
-}  # fmt: skip
+}
 
 
 def write_models(folder: Path) -> None:
@@ -68,7 +76,7 @@ def write_models(folder: Path) -> None:
 def refusals(rank: int, world: int, folder: str) -> dict[str, tuple[int, str, str]]:
     """Each refused command on this rank, in turn: its exit code, standard output and error."""
     found = {}
-    for name, (flags, _) in REFUSALS.items():
+    for name, (flags, _) in MODEL_REFUSALS.items():
         printed = command(
             rank, world, [*RUN, "--data", f"{folder}/text.txt", *flags.format(dir=folder).split()]
         )
@@ -119,14 +127,25 @@ def launched(folder) -> dict[str, tuple[int, str, str]]:
     return runs(folder)
 
 
-def test_ep_that_cannot_work_is_one_line_and_exit_2_on_every_rank_before_the_first_step(folder):
+def test_ep_that_the_model_cannot_take_is_one_line_and_exit_2_on_every_rank_before_the_first_step(folder):
     per_rank = run_ok(refusals, 2, str(folder), deadline=600)
     for rank, found in enumerate(per_rank):
-        for name, (_, says) in REFUSALS.items():
+        for name, (_, says) in MODEL_REFUSALS.items():
             code, out, err = found[name]
             assert code == 2, (rank, name, code, err)
             assert len(err.strip().splitlines()) == 1 and says in err, (rank, name, err)
             assert "loss" not in out, (rank, name, out)
+
+
+@pytest.mark.parametrize("name", list(FLAG_REFUSALS))
+def test_ep_flags_that_cannot_work_together_are_one_line_and_exit_2(name, folder, capsys):
+    from pipeclock.cli.dispatch import main
+
+    flags, says = FLAG_REFUSALS[name]
+    assert main([*RUN, *flags.format(dir=folder).split()]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert "loss" not in out
 
 
 @pytest.mark.long
