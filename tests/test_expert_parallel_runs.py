@@ -92,8 +92,7 @@ def run(rank: int, world: int, flags: list[str]) -> tuple[int, str, str]:
 
 def runs(folder: Path) -> dict[str, tuple[int, str, str]]:
     """Rank 0's account of each run, one launch each: ep 2 saving at step 2, the same without ep, and the
-    saved run resumed with ep 1 and on two stages (each in fresh processes, as torchrun starts them:
-    after an ep run, a second run's process groups made in the same processes do not connect)."""
+    saved run resumed with ep 1 and on two stages (each in fresh processes, as torchrun starts them)."""
     moe = ["--hf-config", f"{folder}/moe", "--data", f"{folder}/text.txt"]
     asked = {
         "ep 2, saved at step 2": [*moe, "--dp", "2", "--ep", "2", "--steps", "2",
