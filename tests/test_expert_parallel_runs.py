@@ -1,8 +1,9 @@
 """``train --ep N`` from the command line: refused in one line where it cannot work, exact where it runs,
 and its checkpoints whole: a run saved with ep 2 resumes with ep 1 and on another pp, and exports.
 
-One launch of two ranks runs every command in turn (each refusal, then the runs); the export and its
-reading by ``transformers`` follow on this process.
+Each refusal that needs the model is a launch of two ranks, those of the flags alone run in this
+process; each run is a launch of its own (long); the export and its reading by ``transformers`` follow
+on this process.
 """
 
 from __future__ import annotations
@@ -27,25 +28,32 @@ EP_PLAN = {
     "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
     "layers.*.mlp.experts.down_proj": "grouped_gemm",
 }
-# Each refusal: the flags after ``train`` (``{dir}``: the launch's folder), and what its one line must say.
-REFUSALS = {
-    "ep not dividing dp": ("--hf-config {dir}/moe --dp 2 --ep 3", "--ep 3 does not divide --dp 2"),
-    "ep on the MLP": ("--model mlp --hidden 8 --layers 2 --dp 2 --ep 2", "--model mlp has none"),
+# Each refusal: the flags after ``train`` (``{dir}``: the test's folder), and what its one line must say.
+# These need the model, so they run on two ranks (every rank refuses alike, before the first step) ...
+MODEL_REFUSALS = {
     "ep on a dense model": ("--hf-config {dir}/dense --dp 2 --ep 2", "LlamaConfig is a dense model"),
     "ep not dividing the experts": (
-        "--hf-config {dir}/three --dp 2 --ep 2", "does not divide the model's 3 experts"
+        "--hf-config {dir}/three --dp 2 --ep 2",
+        "does not divide the model's 3 experts",
     ),
     "a plan naming what the model lacks": (
         "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/absent.json",
         "names model.layers.*.block_sparse_moe.experts, which the model does not have",
     ),
     "a plan with a style not applied": (
-        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/gather.json", "which pipeclock does not apply"
+        "--hf-config {dir}/moe --dp 2 --ep 2 --ep-plan {dir}/gather.json",
+        "which pipeclock does not apply",
     ),
+}
+# ... and these only the flags: refused before any process group, here.
+FLAG_REFUSALS = {
+    "ep not dividing dp": ("--hf-config {dir}/moe --dp 2 --ep 3", "--ep 3 does not divide --dp 2"),
+    "ep on the MLP": ("--model mlp --hidden 8 --layers 2 --dp 2 --ep 2", "--model mlp has none"),
+    "ep on the GPT": ("--model gpt --dp 2 --ep 2", "--model gpt has none"),
     "an ep plan without ep": ("--hf-config {dir}/moe --dp 2 --ep-plan {dir}/plan.json", "needs --ep N"),
     "ep with tp": ("--hf-config {dir}/moe --dp 2 --ep 2 --tp 2", "--ep 2 with --tp 2"),
     "ep with ddp": ("--hf-config {dir}/moe --dp 2 --ep 2 --data-parallel ddp", "takes --data-parallel fsdp"),
-}  # fmt: skip
+}
 
 
 def write_models(folder: Path) -> None:
@@ -65,34 +73,29 @@ def write_models(folder: Path) -> None:
     (folder / "text.txt").write_text(sentence * 600)
 
 
-def refusals(rank: int, world: int, folder: str) -> dict[str, tuple[int, str, str]]:
-    """Each refused command on this rank, in turn: its exit code, standard output and error."""
-    found = {}
-    for name, (flags, _) in REFUSALS.items():
-        printed = command(
-            rank, world, [*RUN, "--data", f"{folder}/text.txt", *flags.format(dir=folder).split()]
-        )
-        found[name] = (printed.code, printed.out, printed.err)
-    return found
+def run(rank: int, world: int, flags: list[str]) -> tuple[int, str, str]:
+    """One run on this rank: its exit code, standard output and error."""
+    printed = command(rank, world, [*RUN, *flags])
+    return printed.code, printed.out, printed.err
 
 
-def runs(rank: int, world: int, folder: str) -> dict[str, tuple[int, str, str]]:
-    """The runs on this rank, in turn: ep 2 saving at step 2, the same without ep, and the saved run
-    resumed with ep 1 and on two stages."""
+def runs(folder: Path) -> dict[str, tuple[int, str, str]]:
+    """Rank 0's account of each run, one launch each: ep 2 saving at step 2, the same without ep, and the
+    saved run resumed with ep 1 and on two stages (each in fresh processes, as torchrun starts them)."""
     moe = ["--hf-config", f"{folder}/moe", "--data", f"{folder}/text.txt"]
     asked = {
         "ep 2, saved at step 2": [*moe, "--dp", "2", "--ep", "2", "--steps", "2",
                                   "--checkpoint-dir", f"{folder}/a"],
         "dp 2 without ep": [*moe, "--dp", "2"],
         "resumed with ep 1": [*moe, "--dp", "2", "--checkpoint-dir", f"{folder}/a", "--resume"],
-        "resumed on pp 2": [*moe, "--checkpoint-dir", f"{folder}/b", "--resume"],
+        # micro-batches of one sample, as the dp 2 runs' (the auxiliary loss is per micro-batch)
+        "resumed on pp 2": [*moe, "--checkpoint-dir", f"{folder}/b", "--resume", "--microbatches", "4"],
     }  # fmt: skip
     found = {}
     for name, flags in asked.items():
-        if name == "resumed with ep 1" and rank == 0:  # the saved run, kept for the pp 2 resume
-            shutil.copytree(f"{folder}/a", f"{folder}/b", ignore=shutil.ignore_patterns("*.lock"))
-        printed = command(rank, world, [*RUN, *flags])
-        found[name] = (printed.code, printed.out, printed.err)
+        if name == "resumed with ep 1":  # the saved run, kept for the pp 2 resume
+            shutil.copytree(folder / "a", folder / "b", ignore=shutil.ignore_patterns("*.lock"))
+        found[name] = run_ok(run, 2, flags, deadline=600)[0]
     return found
 
 
@@ -108,26 +111,39 @@ def folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def launched(folder) -> list[dict]:
-    return run_ok(runs, 2, str(folder), deadline=900)
+def launched(folder) -> dict[str, tuple[int, str, str]]:
+    return runs(folder)
 
 
-def test_ep_that_cannot_work_is_one_line_and_exit_2_on_every_rank_before_the_first_step(folder):
-    per_rank = run_ok(refusals, 2, str(folder), deadline=600)
-    for rank, found in enumerate(per_rank):
-        for name, (_, says) in REFUSALS.items():
-            code, out, err = found[name]
-            assert code == 2, (rank, name, code, err)
-            assert len(err.strip().splitlines()) == 1 and says in err, (rank, name, err)
-            assert "loss" not in out, (rank, name, out)
+@pytest.mark.parametrize("name", list(MODEL_REFUSALS))
+def test_ep_that_the_model_cannot_take_is_one_line_and_exit_2_on_every_rank_before_the_first_step(
+    name, folder
+):
+    flags, says = MODEL_REFUSALS[name]
+    asked = ["--data", f"{folder}/text.txt", *flags.format(dir=folder).split()]
+    for rank, (code, out, err) in enumerate(run_ok(run, 2, asked, deadline=600)):
+        assert code == 2, (rank, name, code, err)
+        assert len(err.strip().splitlines()) == 1 and says in err, (rank, name, err)
+        assert "loss" not in out, (rank, name, out)
+
+
+@pytest.mark.parametrize("name", list(FLAG_REFUSALS))
+def test_ep_flags_that_cannot_work_together_are_one_line_and_exit_2(name, folder, capsys):
+    from pipeclock.cli.dispatch import main
+
+    flags, says = FLAG_REFUSALS[name]
+    assert main([*RUN, *flags.format(dir=folder).split()]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert "loss" not in out
 
 
 @pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_ep2_follows_dp2_step_by_step_and_its_checkpoint_resumes_with_ep1_and_on_pp2(launched):
-    found = launched[0]
+    found = launched
     for name in ("ep 2, saved at step 2", "dp 2 without ep", "resumed with ep 1", "resumed on pp 2"):
-        assert found[name][0] == 0, (name, found[name][2])
+        assert found.get(name, (None,))[0] == 0, (name, found.get(name, "not run"))
     plain = losses(found["dp 2 without ep"][1])
     with_ep = losses(found["ep 2, saved at step 2"][1])
     assert sorted(plain) == [0, 1, 2] and sorted(with_ep) == [0, 1]

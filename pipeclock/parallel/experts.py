@@ -21,7 +21,6 @@ block then sum theirs (a sum, not a mean, as the dp engines do). With dp == ep t
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -218,14 +217,32 @@ def expert_parallel(
             setattr(layer.module, weight, parameter)
             per_chunk[layer.chunk].append(parameter)
         layer.module.num_experts = local
-        own = layer.module.forward
-        layer.module.forward = functools.partial(_dispatching, layer.module, own, emesh["ep"].get_group(), ep)
+        layer.module.ep_group, layer.module.ep_size = emesh["ep"].get_group(), ep
+        layer.module.__class__ = _dispatching(type(layer.module))
     return ExpertParallel(emesh, per_chunk)
 
 
-def _dispatching(module: nn.Module, own, group, ep: int, hidden, top_k_index, top_k_weights):
-    with _local_parameters(module):
-        return dispatched(module, own, hidden, top_k_index, top_k_weights, group, ep)
+_DISPATCHING: dict[type, type] = {}
+
+
+def _dispatching(family: type) -> type:
+    """The family's experts class whose forward is the dispatch, under the same name.
+
+    A subclass rather than a forward set on the instance: that would be a reference cycle (module to
+    its forward to module), which keeps the run's process groups alive until the garbage collector
+    runs, and a next run in the same process would meet them.
+    """
+    if family not in _DISPATCHING:
+
+        def forward(self, hidden, top_k_index, top_k_weights):
+            with _local_parameters(self):
+                own = super(kind, self).forward
+                return dispatched(self, own, hidden, top_k_index, top_k_weights, self.ep_group, self.ep_size)
+
+        kind = type(family.__name__, (family,), {"forward": forward, "__module__": family.__module__})
+        kind.__qualname__ = family.__qualname__
+        _DISPATCHING[family] = kind
+    return _DISPATCHING[family]
 
 
 @contextmanager
