@@ -12,6 +12,7 @@ import torch
 
 from pipeclock.models.gpt import GPT, GPTConfig
 from pipeclock.plan.memory_fit import (
+    BATCH,
     STATIC,
     ModelTooLargeError,
     available,
@@ -84,6 +85,19 @@ def test_a_model_that_fits_only_split_is_accepted_at_tp2_and_refused_at_tp1():
     check_fits(split, split.table(1), 0, torch.device("cpu"))  # accepted: no error
     with pytest.raises(ModelTooLargeError, match="does not fit on rank 0"):
         check_fits(whole, whole.table(1), 0, torch.device("cpu"))
+
+
+def test_a_batch_of_token_ids_larger_than_the_machine_is_refused_naming_the_batch_size():
+    """A language model's batch is counted too: a --batch-size whose token ids alone (inputs and targets,
+    int64, this replica's rows) outgrow the machine is refused before any step, not killed by the OS."""
+    room, _ = available(torch.device("cpu"))
+    rows = room // (32 * 16) + 1  # a row holds 32 inputs and 32 targets of 8 bytes
+    config = TrainConfig(model="gpt", dim=32, heads=2, layers=2, seq_len=32, batch_size=rows)
+    assert estimate(config, config.table(1), 0)[BATCH] == rows * 32 * 16
+    with pytest.raises(ModelTooLargeError, match="use a smaller --batch-size"):
+        check_fits(config, config.table(1), 0, torch.device("cpu"))
+    halved = TrainConfig(model="gpt", dim=32, heads=2, layers=2, seq_len=32, batch_size=rows, dp=2)
+    assert estimate(halved, halved.table(1), 0)[BATCH] == math.ceil(rows / 2) * 32 * 16
 
 
 def test_ranks_that_disagree_are_grouped_by_value():

@@ -5,7 +5,8 @@ ends a process without a word (or by a CUDA out-of-memory error deep inside a fo
 building, each rank counts the parameters it will hold (from the model's shapes and the cut), and the
 planner (``pipeclock.plan.planner``) turns them into bytes: weights, gradients and Adam's state.
 For the MLP, whose layers the planner can describe without measuring them, it adds the activations and
-messages the schedule keeps in flight; for the GPT the estimate is the parameters' part, a floor. With
+messages the schedule keeps in flight; for a language model the estimate is the parameters' part and
+the step's batch of token ids, a floor. With
 ``--tp N`` a rank holds one tp rank's share of its stage, as the planner splits a layer
 (``pipeclock.plan.tensor_parallel``): 1/N of the parameters and of what a layer keeps inside it. The
 run stops only when the estimate exceeds all the memory the rank could have, so an estimate a little
@@ -32,6 +33,7 @@ from pipeclock.plan.tensor_parallel import MLP, rank_share, split_layers
 
 STATIC = "weights, gradients and Adam state"
 IN_FLIGHT = "activations and messages"
+BATCH = "the step's token ids"
 VOCAB = GPTConfig.vocab_size  # the GPT reads bytes
 
 
@@ -49,7 +51,16 @@ def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
     parts = {STATIC: math.ceil(parameters * training.bytes_per_parameter / shared_by)}
     if config.model == "mlp":
         parts[IN_FLIGHT] = _mlp_in_flight(config, table, pipeline_rank, training)
+    else:
+        parts[BATCH] = batch_bytes(config)
     return parts
+
+
+def batch_bytes(config) -> int:
+    """A language model's step batch as every rank holds it: this replica's rows of token ids, inputs and
+    targets, in int64 (a floor on what a step keeps: its activations come on top)."""
+    rows = math.ceil(config.batch_size / config.dp)
+    return rows * config.seq_len * 2 * torch.tensor([], dtype=torch.int64).element_size()
 
 
 def rank_parameters(config, table: Schedule, pipeline_rank: int, tp: int = 1) -> int:
@@ -134,8 +145,13 @@ def _verdict(parts: dict[str, int], room: int, where: str) -> str | None:
         return None
     detail = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items())
     floor = "" if IN_FLIGHT in parts else "at least "
+    cure = (
+        "a smaller --batch-size"
+        if parts.get(BATCH, 0) * 2 > total
+        else "more stages (processes), a smaller model, or --dp with fsdp (`python -m pipeclock plan` "
+        "compares layouts)"
+    )
     return (
         f"the planner estimates {floor}{format_bytes(total)} ({total:,} bytes) for its part ({detail}), "
-        f"but it has {format_bytes(room)} ({where}); use more stages (processes), a smaller model, or "
-        "--dp with fsdp (`python -m pipeclock plan` compares layouts)"
+        f"but it has {format_bytes(room)} ({where}); use {cure}"
     )
