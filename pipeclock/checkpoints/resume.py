@@ -106,6 +106,10 @@ def check_same_model(found: Path, saved: dict, wanted: dict) -> None:
         if saved_model.split()[0] == wanted_model.split()[0]:  # same kind: say only the sizes
             wanted_model = wanted_model.split(" ", 1)[1]
         fields = "; ".join(differences(saved, wanted))
+        if "vocab_size" in fields:
+            fields += " (the vocabulary is --data's: resume on the tokens the run was trained on)"
+        if wanted_model in saved_model:  # the sizes agree: only what the fields name differs
+            raise ValueError(f"rank {rank}: {found} holds a {saved_model} of other settings: {fields}")
         raise ValueError(
             f"rank {rank}: {found} holds a {saved_model}, not {wanted_model}"
             + (f" ({fields})" if fields else "")

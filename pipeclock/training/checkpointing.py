@@ -74,8 +74,8 @@ def resume_run(config: TrainConfig, task, modules, optimizer) -> tuple[checkpoin
     position = checkpoint.load(found, modules, optimizer)
     restore_settings(optimizer, settings)
     scheduled = resume.scheduler_step(saved, position.step)
-    before = _layout(saved["stages"], saved.get("replicas", 1), saved.get("tp", 1))
-    now = _layout(stages_of(config), config.dp, config.tp).removesuffix(" stage(s)")
+    before = _layout(saved["stages"], saved.get("replicas", 1), saved.get("tp", 1), saved.get("ep", 1))
+    now = _layout(stages_of(config), config.dp, config.tp, config.ep).removesuffix(" stage(s)")
     _say(f"resumed from {found} at step {position.step} (saved by {before}, now {now})")
     changed = resume.changes(saved, config)
     if changed:
@@ -86,11 +86,12 @@ def resume_run(config: TrainConfig, task, modules, optimizer) -> tuple[checkpoin
     return position, scheduled
 
 
-def _layout(stages: int, replicas: int, tp: int = 1) -> str:
+def _layout(stages: int, replicas: int, tp: int = 1, ep: int = 1) -> str:
     return (
         f"{stages} stage(s)"
         + (f" x tp {tp}" if tp > 1 else "")
         + (f" x {replicas} replicas" if replicas > 1 else "")
+        + (f", experts over ep {ep}" if ep > 1 else "")
     )
 
 
@@ -108,6 +109,7 @@ def save_run(config: TrainConfig, task, position: checkpoint.Position, modules, 
         "stages": stages_of(config),
         "replicas": config.dp,
         "tp": config.tp,
+        "ep": config.ep,
         "settings": resume.settings_of(config),
         "lr_scheduler": resume.scheduler_state(scheduler),
     }

@@ -79,7 +79,8 @@ class HFTask(LanguageTask):
         elif data.vocab_size > vocabulary:
             raise ValueError(
                 f"--data {data.folder}: its vocabulary of {data.vocab_size:,} ({data.tokenizer}) is larger "
-                f"than the model's {vocabulary:,} ({self.source})"
+                f"than the model's {vocabulary:,} ({self.source}): give the model a vocab_size of at least "
+                f"{data.vocab_size:,}"
             )
 
     def _check_dataset_tokenizer(self) -> None:

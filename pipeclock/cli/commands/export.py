@@ -152,7 +152,8 @@ def _first_line(error: BaseException) -> str:
 def _export_hf(state: dict, run_info: dict, path, output: str) -> int:
     if run_info.get("model") != "HF":
         print(
-            f"pipeclock export: error: {path} holds {describe(run_info)}, not a Hugging Face model",
+            f"pipeclock export: error: {path} holds {describe(run_info)}, not a Hugging Face model "
+            "(export it without --hf: export CKPT FILE.pt)",
             file=sys.stderr,
         )
         return 2

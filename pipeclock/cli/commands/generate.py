@@ -254,7 +254,8 @@ def _report(
     after = made - sum(len(group) for group in groups)
     rate = after / (last.seconds - first) if last.seconds > first and after > 0 else 0.0
     print(
-        f"# {made} bytes from {len(last.texts)} prompts on {world} ranks, {len(groups)} groups, "
+        f"# {made} bytes from {_count(len(last.texts), 'prompt')} on {_count(world, 'rank')}, "
+        f"{_count(len(groups), 'group')}, "
         f"{'with' if settings.cache else 'without'} the cache: first byte after {first:.3f} s, "
         f"then {rate:.1f} bytes/s",
         file=sys.stderr,
@@ -292,3 +293,7 @@ def timelines(
     )
     predicted = simulate(world, sizes, min(tokens, TIMED_TOKENS), per_prompt)
     return measured, predicted
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -248,6 +248,7 @@ def _headline(config: TrainConfig, world: int) -> str:
     if config.model == "hf":
         model = f"HF {config.hf_config or config.hf_model} (seq {config.seq_len})"
     replicas = f" x {config.dp} replicas ({config.data_parallel})" if config.dp > 1 else ""
+    replicas += f", experts over ep {config.ep}" if config.ep > 1 else ""
     replicas = (f" x tp {config.tp}" if config.tp > 1 else "") + replicas
     per_mb /= config.dp
     fitting = f", {config.dtype}" if config.dtype != "fp32" else ""
