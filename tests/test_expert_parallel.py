@@ -142,6 +142,9 @@ def ep_case(mesh, ep: int, family: str, name: str, m: int, routing: str) -> dict
         "grad": max(grads),
         "norm": abs(parallel.grad_norm(pipe, mesh) - want_norm) / want_norm,
         "expert blocks held": float(sum(p.to_local().shape[0] for p in experts.parameters)),
+        "decoder layers held": float(
+            sum(type(m).__name__.endswith("DecoderLayer") for c in chunks for m in c.modules())
+        ),
     }
     if routing == "one rank":  # the case is what it says: no token for any expert past the first two
         found["tokens routed past the first rank"] = float(sum(int((c >= 2).sum()) for c in chosen))
@@ -161,17 +164,21 @@ def ep_cases(rank: int, world: int, runs: list[tuple[int, int, list[tuple]]]) ->
 
 
 def check(world: int, runs) -> None:
+    """Every rank within tolerance, holding its 1/ep of each of its layers' experts (two fused weights
+    per layer), and the ranks together holding each replica's two layers (a V may leave a rank none)."""
     per_rank = run_ok(ep_cases, world, runs, deadline=600)
     for rank, found in enumerate(per_rank):
         for key, gaps in found.items():
-            _, pp, ep, *_ = key
+            ep = key[2]
             assert gaps["loss"] <= TOLERANCE, (rank, key, gaps)
             assert gaps["grad"] <= TOLERANCE, (rank, key, gaps)
             assert gaps["norm"] <= TOLERANCE, (rank, key, gaps)
-            blocks_per_layer = 4 // ep
-            layers_here = 2 // pp
-            assert gaps["expert blocks held"] == 2 * blocks_per_layer * layers_here, (rank, key, gaps)
+            blocks = 2 * (4 // ep) * gaps["decoder layers held"]
+            assert gaps["expert blocks held"] == blocks, (rank, key, gaps)
             assert gaps.get("tokens routed past the first rank", 0.0) == 0.0, (rank, key, gaps)
+    for key in per_rank[0]:
+        dp = key[0]
+        assert sum(found[key]["decoder layers held"] for found in per_rank) == 2 * dp, key
 
 
 def cases(m: int = 2) -> list[tuple]:
@@ -184,5 +191,11 @@ def test_dp2_x_ep2_gives_one_process_loss_gradients_and_norm_with_the_auxiliary_
 
 @pytest.mark.long
 def test_pp2_x_dp2_x_ep2_dp4_x_ep2_and_dp4_x_ep4_give_one_process_loss_gradients_and_norm():
-    other_schedules = [("mixtral", "interleaved-1f1b", 2, "one rank"), ("qwen3_moe", "zb-h1", 3, "learned")]
+    """pp 2 x dp 2 x ep 2 on every schedule kind: one chunk a rank, looped (interleaved) and V-placed."""
+    other_schedules = [
+        ("mixtral", "interleaved-1f1b", 2, "one rank"),
+        ("qwen3_moe", "zb-h1", 3, "learned"),
+        ("mixtral", "zb-v", 2, "learned"),  # two chunks a rank, placed in a V
+        ("qwen3_moe", "dualpipev", 4, "one rank"),
+    ]
     check(4, [(2, 2, cases() + other_schedules), (4, 2, cases(1)), (4, 4, cases(1))])
