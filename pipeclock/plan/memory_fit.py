@@ -8,7 +8,8 @@ For the MLP, whose layers the planner can describe without measuring them, it ad
 messages the schedule keeps in flight; for a language model the estimate is the parameters' part and
 the step's batch of token ids, a floor. With
 ``--tp N`` a rank holds one tp rank's share of its stage, as the planner splits a layer
-(``pipeclock.plan.tensor_parallel``): 1/N of the parameters and of what a layer keeps inside it. The
+(``pipeclock.plan.tensor_parallel``): 1/N of the parameters and of what a layer keeps inside it. With
+``--ep N`` a rank holds 1/N of each of its MoE layers' routed experts, which FSDP2 does not shard. The
 run stops only when the estimate exceeds all the memory the rank could have, so an estimate a little
 off, or a machine busy for a while, never refuses a run that could fit.
 """
@@ -27,6 +28,8 @@ from pipeclock.engine.actions import Schedule
 from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.partition import partition
 from pipeclock.observe.sizes import format_bytes
+from pipeclock.plan import experts as expert_plan
+from pipeclock.plan.hf_paper import paper_model, read_config
 from pipeclock.plan.model_layers import rough_layers
 from pipeclock.plan.rank_memory import Recompute, Training, rank_memory
 from pipeclock.plan.tensor_parallel import MLP, rank_share, split_layers
@@ -47,8 +50,10 @@ def estimate(config, table: Schedule, pipeline_rank: int) -> dict[str, int]:
         return {}  # no cut exists: building the stage says why, in the model's own words
     training = Training(config.dtype, "adam", Recompute.parse(config.recompute))
     parameters = rank_parameters(config, table, pipeline_rank, config.tp)
+    experts = rank_experts(config, table, pipeline_rank)  # FSDP2 leaves them out of its shards
     shared_by = config.dp if config.data_parallel == "fsdp" else 1  # FSDP2 shards them over the replicas
-    parts = {STATIC: math.ceil(parameters * training.bytes_per_parameter / shared_by)}
+    per_parameter = training.bytes_per_parameter
+    parts = {STATIC: math.ceil((parameters - experts) * per_parameter / shared_by + experts * per_parameter)}
     if config.model == "mlp":
         parts[IN_FLIGHT] = _mlp_in_flight(config, table, pipeline_rank, training)
     else:
@@ -71,18 +76,58 @@ def rank_parameters(config, table: Schedule, pipeline_rank: int, tp: int = 1) ->
     model costs seconds of PyTorch's own imports at every start.
     """
     pieces = [rank_share(count, tp) for count in piece_parameters(config)]
-    cut = partition(len(pieces), table.placement.num_virtual)
-    held = sorted(i for stage in table.placement.stages[pipeline_rank] for i in cut[stage])
+    held = _held(config, table, pipeline_rank)
     total = sum(pieces[i] for i in held)
-    if config.model == "gpt" and held[0] == 0 and held[-1] == len(pieces) - 1:
-        total -= rank_share(VOCAB * config.dim, tp)  # the embedding and the head share one matrix here
+    if held[0] == 0 and held[-1] == len(pieces) - 1:
+        total -= rank_share(_tied_matrix(config), tp)  # the embedding and the head share one matrix here
+    if config.ep > 1:  # of each MoE layer's routed experts, 1/ep
+        routed = expert_plan.routed_parameters(hf_model(config))
+        total -= sum(routed - routed // config.ep for i in held if 0 < i < len(pieces) - 1)
     return total
 
 
+def rank_experts(config, table: Schedule, pipeline_rank: int) -> int:
+    """The routed experts' parameters ``pipeline_rank`` holds under ``--ep``: 1/ep of each of its MoE
+    layers' (whole over its dp replicas: FSDP2 leaves them out); 0 without ep."""
+    if config.ep == 1:
+        return 0
+    layers = len(piece_parameters(config)) - 2
+    held = [i for i in _held(config, table, pipeline_rank) if 0 < i <= layers]
+    return len(held) * (expert_plan.routed_parameters(hf_model(config)) // config.ep)
+
+
+def _held(config, table: Schedule, pipeline_rank: int) -> list[int]:
+    """The pieces ``pipeline_rank`` holds, in order: the model cut by layer count over the stages."""
+    cut = partition(len(piece_parameters(config)), table.placement.num_virtual)
+    return sorted(i for stage in table.placement.stages[pipeline_rank] for i in cut[stage])
+
+
+def _tied_matrix(config) -> int:
+    """The parameters of the matrix the embedding and the head share (0 when they share none)."""
+    if config.model == "gpt":
+        return VOCAB * config.dim
+    if config.model == "hf" and hf_model(config).tied:
+        return hf_model(config).vocab * hf_model(config).hidden
+    return 0
+
+
+def hf_model(config):
+    """A Hugging Face model's sizes on paper (``--hf-config`` or ``--hf-model``'s config.json)."""
+    return paper_model(read_config(config.hf_config or config.hf_model))
+
+
 def piece_parameters(config) -> list[int]:
-    """Parameters of each piece: the MLP's Linear layers, or the GPT's embedding, blocks and head."""
+    """Parameters of each piece: the MLP's Linear layers, the GPT's or a Hugging Face model's embedding,
+    blocks (every expert of a mixture, whole) and head."""
     if config.model == "mlp":
         return [config.hidden**2 + config.hidden] * config.layers
+    if config.model == "hf":
+        try:
+            model = hf_model(config)
+        except (ValueError, AttributeError):  # a family the paper model cannot read (building it says why)
+            return []
+        return [model.embedding_parameters(), *[model.layer_parameters()] * model.layers,
+                model.head_parameters()]  # fmt: skip
     dim, vocab = config.dim, VOCAB
     block = 12 * dim**2 + 13 * dim  # two norms, qkv, the projection, the MLP's two Linears
     return [vocab * dim, *[block] * config.layers, vocab * dim + 2 * dim]
