@@ -152,6 +152,9 @@ def test_ep2_follows_dp2_step_by_step_and_its_checkpoint_resumes_with_ep1_and_on
     for name in ("resumed with ep 1", "resumed on pp 2"):
         assert "resumed from" in found[name][1] and "at step 2" in found[name][1], name
         assert losses(found[name][1]) == pytest.approx({2: plain[2]}, abs=2e-6), name
+    layouts = {"resumed with ep 1": "now 1 stage(s) x 2 replicas)", "resumed on pp 2": "now 2)"}
+    for name, now in layouts.items():  # the layout line names the ep the checkpoint was saved with
+        assert f"saved by 1 stage(s) x 2 replicas, experts over ep 2, {now}" in found[name][1], name
 
 
 @pytest.mark.long
