@@ -5,7 +5,9 @@ Each type's tiny config (`tools.hf_families.tiny_config`, the family sweep's) is
 the meta device (no memory, no time) and the `PaperModel` read from the same config is compared with the
 model's own ``sum(p.numel())``. The families the planner reads (`checked_families.CHECKED`) must come within
 `checked_families.TOLERANCE` (relative, at width 32: per-layer vectors such as q/k norms the paper model
-skips, never a matrix); every other one must be refused in one line, and be listed in docs/cluster.md.
+skips, never a matrix), and so must the training FLOPs per token torch's flop counter finds on a real
+tiny forward and backward (eager attention and eager experts, whose matrix products it sees); every
+other one must be refused in one line, and be listed in docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -98,6 +100,39 @@ def test_docs_list_every_family_the_planner_refuses():
     section = text[text.index("## Which families the planner reads") :]
     missing = [name for name in measured() if name not in CHECKED and f"`{name}`" not in section]
     assert not missing, f"docs/cluster.md does not list: {missing}"
+
+
+SEQ = 16
+
+
+def counted_flops(model_type: str) -> tuple[float, float]:
+    """Training FLOPs per token of ``model_type``'s tiny model (forward and backward of ``SEQ`` tokens,
+    as torch's flop counter counts them) and of its paper model (`model_flops_per_token`: 6 x the
+    matrix parameters a token uses + the whole attention square, which eager attention computes)."""
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", experts_implementation="eager"
+        )
+        ids = torch.randint(0, 100, (1, SEQ))
+        with FlopCounterMode(display=False) as counter:
+            model(input_ids=ids).logits.sum().backward()
+    return counter.get_total_flops() / SEQ, paper_model(config).model_flops_per_token(SEQ)
+
+
+def test_every_checked_familys_training_flops_are_torchs_flop_counters():
+    """Exact for all but a shared expert's one-column gate (Qwen2-MoE: -0.2 %), which the paper skips."""
+    off = {}
+    for name in sorted(CHECKED):
+        real, paper = counted_flops(name)
+        if abs(paper - real) > TOLERANCE * real:
+            off[name] = f"{(paper - real) / real:+.2%}"
+    assert not off, f"checked families' FLOPs off torch's count: {off}"
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "falcon"])
