@@ -21,7 +21,8 @@ CHECKED = frozenset({
     "internlm3", "iquestcoder", "kolibri1", "llama", "mellum", "minicpm3", "minimax_m2", "ministral",
     "ministral3", "mistral", "mixtral", "olmo", "olmo2", "olmo3", "olmoe", "phi3", "phimoe", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
-    "vaultgemma", "youtu",
+    "vaultgemma", "youtu", "phi", "persimmon", "bloom", "jais2", "opt", "biogpt", "openai-gpt",
+    "gpt_neo",
 })  # fmt: skip
 
 # planned although off, each for a stated reason (the published runs of docs/cluster.md rest on them)

@@ -21,8 +21,9 @@ from pipeclock.plan.paper_model import PaperModel
 
 # Families whose MLP is two matrices with a GELU/ReLU, whose norms are LayerNorms and whose Linears
 # have biases (their modeling code says so; their configs do not).
-PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2", "falcon"}
-LEARNED_POSITIONS = {"gpt2", "gpt_bigcode"}
+PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2", "falcon", "phi", "persimmon", "bloom",
+                      "jais2", "opt", "biogpt", "openai-gpt", "gpt_neo"}  # fmt: skip
+LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt", "biogpt", "openai-gpt", "gpt_neo"}
 QKV_BIAS_FAMILIES = {"qwen2", "qwen2_moe"}
 
 
