@@ -92,12 +92,13 @@ def _spec_with(tmp_path, field: str, raw: str) -> str:
 
 
 def _config(tmp_path, kind: str) -> str:
-    """A BERT config (an encoder), or a Llama whose 3 heads do not divide its width of 100."""
+    """A BERT config (an encoder), a Llama whose 3 heads do not divide its width of 100, or a Doge (a
+    causal LM whose shapes the planner does not read)."""
     sizes = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128}
     if kind == "HEADS":
         sizes |= {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3, "vocab_size": 1000}
     else:
-        sizes |= {"model_type": "bert"}
+        sizes |= {"model_type": "doge" if kind == "DOGE" else "bert"}
     (tmp_path / "config.json").write_text(json.dumps(sizes))
     return str(tmp_path)
 
@@ -162,6 +163,8 @@ def _t5_config(tmp_path) -> str:
          "unknown field gemm_eficiency (did you mean gemm_efficiency?)"),
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "tp=8,tp=2"], "--fix names tp twice"),
         (["--cluster", "8xH100-80GB", "--hf-config", "BERT"], "BertConfig (model_type 'bert') is not a"),
+        (["--cluster", "8xH100-80GB", "--hf-config", "DOGE"],
+         "DogeConfig (model_type 'doge'): plan --hf-config does not read this family's shapes"),
         (["--cluster", "8xH100-80GB", "--hf-config", "HEADS"], "hidden size (100) is not a multiple of the"),
         (["--cluster", "64xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=32,chunks=5"],
          "--fix pp=32 x chunks=5 is 160 virtual stages, more than the model's 126 layers"),
@@ -173,7 +176,7 @@ def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, ar
     args = [_spec_without(tmp_path, "memory_gb") if a == "SPEC-NO-MEMORY" else a for a in args]
     args = [_t5_config(tmp_path) if a == "T5" else a for a in args]
     args = [_spec_with(tmp_path, *a.split()[1:]) if a.startswith("SPEC ") else a for a in args]
-    args = [_config(tmp_path, a) if a in ("BERT", "HEADS") else a for a in args]
+    args = [_config(tmp_path, a) if a in ("BERT", "HEADS", "DOGE") else a for a in args]
     code, out, err = plan(monkeypatch, capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith("pipeclock plan: error: ") and message in err, err

@@ -4,7 +4,8 @@ Only ``transformers``' config classes are used, never a model: a 405B config pla
 sizes come from the config's own fields (``hidden_size``, ``num_key_value_heads``, ``head_dim``,
 ``intermediate_size``, the experts' fields of a mixture); what a config does not say (a plain GELU MLP
 and LayerNorms instead of SwiGLU and RMSNorm, biases, learned positions) is read from its family, for
-the families below; any other family is taken to be Llama-shaped, as most causal LMs today are.
+the families below. Only the families `checked_families` has compared with their own models are read;
+any other is refused by name.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from types import SimpleNamespace
 
 from pipeclock.plan import experts as expert_parallel
 from pipeclock.plan import latent_attention
+from pipeclock.plan.checked_families import refusal
 from pipeclock.plan.paper_model import PaperModel
 
 # Families whose MLP is two matrices with a GELU/ReLU, whose norms are LayerNorms and whose Linears
 # have biases (their modeling code says so; their configs do not).
-PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2", "falcon"}
-LEARNED_POSITIONS = {"gpt2", "gpt_bigcode"}
+PLAIN_MLP_FAMILIES = {"gpt2", "gpt_bigcode", "gpt_neox", "starcoder2", "falcon", "phi", "persimmon", "bloom",
+                      "jais2", "opt", "biogpt", "openai-gpt", "gpt_neo"}  # fmt: skip
+LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt", "biogpt", "openai-gpt", "gpt_neo"}
 QKV_BIAS_FAMILIES = {"qwen2", "qwen2_moe"}
 
 
@@ -88,6 +91,8 @@ def paper_model(config, name: str | None = None) -> PaperModel:
             f"{kind} (model_type {family!r}) is not a causal language model: plan --hf-config takes a "
             "decoder-only *ForCausalLM config"
         )
+    elif refused := refusal(family, kind):
+        raise NotCausalLM(refused)
     hidden = _field(config, kind, "hidden_size")
     heads = _field(config, kind, "num_attention_heads")
     kv_heads = (
