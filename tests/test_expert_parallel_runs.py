@@ -115,7 +115,11 @@ def launched(folder) -> dict[str, tuple[int, str, str]]:
     return runs(folder)
 
 
-@pytest.mark.parametrize("name", list(MODEL_REFUSALS))
+# Each is a launch of its own (about 5 s): the first in every run, the rest with the long tests.
+MODEL_CASES = [pytest.param(n, marks=[pytest.mark.long] if i else []) for i, n in enumerate(MODEL_REFUSALS)]
+
+
+@pytest.mark.parametrize("name", MODEL_CASES)
 def test_ep_that_the_model_cannot_take_is_one_line_and_exit_2_on_every_rank_before_the_first_step(
     name, folder
 ):
