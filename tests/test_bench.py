@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 36-40 s of make test on 2 cores; CI runs it
 def test_bench_command_runs_a_tiny_sweep_and_writes_json_markdown_and_plots(tmp_path):
     command = ["bench", "--tiny", "--results-dir", str(tmp_path), "--figures-dir", str(tmp_path)]
     done = subprocess.run(
