@@ -13,9 +13,10 @@ from pipeclock.observe.simulate import simulate
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory
 from pipeclock.plan.cluster_plan import predict
-from pipeclock.plan.cluster_time import Rates, message_seconds, pipeline_floor, stage_costs, step_time
+from pipeclock.plan.cluster_time import Rates, message_seconds, stage_costs, step_time
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
+from pipeclock.plan.pipeline_time import pipeline_floor
 from pipeclock.plan.search import SearchError, configurations, search
 
 # a 1.2B Llama-shaped model: small enough that every search here takes a fraction of a second
@@ -154,7 +155,7 @@ def test_a_long_step_holds_what_its_settled_rounds_hold(schedule):
 
 
 def test_the_cached_program_simulates_as_the_simulator_does():
-    from pipeclock.plan.cluster_time import simulated
+    from pipeclock.plan.pipeline_time import simulated
 
     costs = ((1.0, 2.1, 1.2, 0.9), (0.8, 1.7, 0.9, 0.8), (1.3, 2.2, 1.0, 1.2), (0.7, 1.4, 0.8, 0.6))
     ops = {"F": 0, "B": 1, "I": 2, "W": 3}

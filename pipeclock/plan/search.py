@@ -33,13 +33,13 @@ from pipeclock.plan.cluster_time import (
     data_parallel_seconds,
     message_seconds,
     optimizer_seconds,
-    pipeline_floor,
     stage_costs,
     step_time,
     work_floor,
 )
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
+from pipeclock.plan.pipeline_time import pipeline_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch

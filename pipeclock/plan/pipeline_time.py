@@ -1,0 +1,176 @@
+"""A step's pipeline on paper: a floor on its time without simulating it, and the schedule's program
+simulated with per-stage costs (expert parallel's all-to-alls hidden where a paired action allows).
+
+``cluster_time`` turns a configuration into those costs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pipeclock.engine.actions import join_first_stage_backwards, placement_of
+from pipeclock.engine.generators import V_SCHEDULES, generate
+from pipeclock.engine.program import lower
+from pipeclock.engine.program_run import simulate_program
+from pipeclock.observe.simulate import simulate
+from pipeclock.plan.cluster_config import Config
+from pipeclock.plan.cluster_memory import placement_for
+
+
+def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
+    """A time no program of this schedule can beat, without simulating it: the larger of
+
+    - for each rank, its work after the forwards that must reach its first stage before it can start,
+      and (a schedule that runs whole backwards, ending each rank on its first stage's last backward)
+      before the gradient from there has gone back to the first stage;
+    - the last stage's m forwards and backwards, after the first micro-batch's forward has reached it
+      and before the last one's gradient has gone back to the first stage (each hop across ranks costing
+      at least one message).
+    """
+    ranks, chain, chain_per_microbatch = _floor_terms(config.schedule, config.pp, config.chunks, costs)
+    m = config.microbatches
+    busiest = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
+    return max(busiest, chain + m * chain_per_microbatch + 2 * (config.pp - 1) * transfer)
+
+
+_FLOOR_TERMS: dict[tuple, tuple] = {}
+
+
+def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
+    """`pipeline_floor`'s terms, linear in the micro-batch count: per rank (what precedes and follows
+    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch). Kept
+    while ``costs`` (a list `stage_costs` caches) lives."""
+    key = (id(costs), schedule, pp, chunks)
+    cached = _FLOOR_TERMS.get(key)
+    if cached is not None and cached[0] is costs:
+        return cached[1]
+    terms = _floor_terms_of(schedule, pp, chunks, [_compute_only(cost) for cost in costs])
+    if len(_FLOOR_TERMS) > 4096:
+        _FLOOR_TERMS.clear()
+    _FLOOR_TERMS[key] = (costs, terms)
+    return terms
+
+
+def _floor_terms_of(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
+    placement = placement_for(schedule, pp, chunks)
+    last = len(costs) - 1
+    split = splits_backward(schedule)
+    gradient = "I" if split else "B"
+    before, after = [0.0], [0.0]
+    for cost in costs:
+        before.append(before[-1] + cost["F"])
+        after.append(after[-1] + cost["B"])
+    ranks = []
+    for stages in placement.stages:
+        first = min(stages)
+        fixed = before[first] + (0.0 if split else after[first])
+        ranks.append((fixed, sum(costs[s]["F"] + costs[s]["B"] for s in stages)))
+    chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
+    return tuple(ranks), chain, costs[last]["F"] + costs[last][gradient]
+
+
+def _compute_only(cost: dict[str, float]) -> dict[str, float]:
+    """A stage's costs without its all-to-alls (which may hide under a paired action)."""
+    forward, backward = cost.get("xF", 0.0), cost.get("xB", 0.0)
+    return {"F": cost["F"] - forward, "B": cost["B"] - backward, "I": cost["I"] - backward, "W": cost["W"]}
+
+
+@functools.lru_cache(maxsize=64)
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule splits each backward into I and W (the zero-bubble family)."""
+    return any(
+        action.op == "I" for actions in generate(schedule, 2, 2, chunks_for(schedule)) for action in actions
+    )
+
+
+def chunks_for(schedule: str) -> int:
+    return 2 if schedule in V_SCHEDULES or schedule == "interleaved-1f1b" else 1
+
+
+def _round(value: float) -> float:
+    """Three significant digits: costs that differ less share one simulation."""
+    return float(f"{value:.3g}")
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """What a search needs from a simulated step, in the costs' unit: its makespan and bubble, and for
+    each rank its stages' moments: (stage, its first F's start, its last backward's start and end)."""
+
+    makespan: float
+    bubble: float
+    moments: tuple[tuple[tuple[int, float, float, float], ...], ...]
+
+
+@functools.lru_cache(maxsize=8192)
+def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
+    """The schedule's program simulated with per-stage ``costs`` (F, B, I, W, and the all-to-alls inside
+    F and inside B or I) and each message costing ``transfer``, in the costs' unit; cached: a search asks
+    for the same ones often. Without all-to-alls the lowered program is run directly (the fast path)."""
+    if any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs):
+        return _simulated_exchanging(schedule, pp, microbatches, chunks, costs, transfer)
+    programs, stages = _program(schedule, pp, microbatches, chunks)
+    ops = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+    def cost(rank: int, instruction) -> float:
+        action = instruction.action
+        return costs[stages[rank][action.chunk]][ops[action.op]]
+
+    run = simulate_program(programs, cost, transfer)
+    moments, busy, makespan = [], 0.0, 0.0
+    for rank in range(pp):
+        first, last = {}, {}
+        for instruction, start, end in run.spans[rank]:
+            if not instruction.is_compute:
+                continue
+            busy += end - start
+            makespan = max(makespan, end)
+            action = instruction.action
+            stage = stages[rank][action.chunk]
+            if action.op == "F":
+                first.setdefault(stage, start)
+            elif action.op in ("B", "W"):
+                last[stage] = (start, end)
+        moments.append(tuple((s, first[s], *last[s]) for s in sorted(first)))
+    bubble = 1.0 - busy / (pp * makespan) if makespan else 0.0
+    return Simulated(makespan, bubble, tuple(moments))
+
+
+def _simulated_exchanging(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer):
+    """`simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
+    action (``observe.simulate``'s ``exchange``)."""
+    table = generate(schedule, pp, microbatches, chunks)
+    placement = placement_of(table)
+    ops, inside = {"F": 0, "B": 1, "I": 2, "W": 3}, {"F": 4, "B": 5, "I": 5}
+
+    def exchange(rank: int, action) -> float:
+        return costs[placement.stage(rank, action.chunk)][inside[action.op]] if action.op in inside else 0.0
+
+    def cost(rank: int, action) -> float:
+        return costs[placement.stage(rank, action.chunk)][ops[action.op]] - exchange(rank, action)
+
+    timeline = simulate(join_first_stage_backwards(table), cost, comm_latency=transfer, exchange=exchange)
+    moments = []
+    for rank in range(pp):
+        first, last = {}, {}
+        for span in timeline.spans_of(rank):
+            stage = placement.stage(rank, span.action.chunk)
+            if span.action.op == "F":
+                first.setdefault(stage, span.start)
+            elif span.action.op in ("B", "W"):
+                last[stage] = (span.start, span.end)
+        moments.append(tuple((s, first[s], *last[s]) for s in sorted(first)))
+    return Simulated(timeline.makespan, timeline.bubble_share, tuple(moments))
+
+
+@functools.lru_cache(maxsize=32)
+def _program(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[list, tuple]:
+    """The schedule's program as the engine runs it (first-stage backwards joined), and each rank's
+    virtual stage per chunk: costs change from one simulation to the next, this does not. The table is
+    a generator's, which the engine's tests hold valid; it is not checked again here."""
+    table = generate(schedule, pp, microbatches, chunks)
+    placement = placement_of(table)
+    joined = join_first_stage_backwards(table)
+    stages = tuple(tuple(placement.stage(rank, chunk) for chunk in range(chunks)) for rank in range(pp))
+    return lower(joined), stages
