@@ -136,6 +136,37 @@ def test_the_memory_check_counts_each_ranks_one_ep_th_of_the_routed_experts(tmp_
             )
 
 
+@pytest.mark.parametrize(
+    "family, sizes",
+    [
+        ("gptj", dict(n_embd=32, n_layer=3, n_head=4, rotary_dim=4, vocab_size=300, n_positions=64)),
+        ("gpt_bigcode", dict(n_embd=32, n_layer=3, n_head=4, vocab_size=300, n_positions=64)),  # tied head
+    ],
+)
+def test_a_family_the_planner_does_not_read_is_counted_on_the_meta_device(tmp_path, family, sizes):
+    """The paper model refuses these families, yet their runs are still checked before step 1: each
+    rank's parameters are counted on the model built on the meta device, as building its stage holds."""
+    import warnings
+
+    from transformers import AutoConfig
+
+    from pipeclock.models import hf
+    from pipeclock.plan.hf_paper import paper_model, read_config
+
+    AutoConfig.for_model(family, **sizes).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not read this family"):
+        paper_model(read_config(tmp_path))
+    for world in (1, 2):
+        config = TrainConfig(model="hf", hf_config=str(tmp_path), layers=3, batch_size=4, seq_len=8)
+        table = config.table(world)
+        for rank in range(world):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = hf.prepared_config(read_config(tmp_path))
+                built = hf.split(model, rank, world, placement=table.placement)
+            assert rank_parameters(config, table, rank) == sum(p.numel() for p in unique_parameters([built]))
+
+
 def test_ranks_that_disagree_are_grouped_by_value():
     assert _who_has_what("--layers", [8, 6, 8]) == "--layers is 8 on ranks 0, 2 and 6 on rank 1"
     assert _who_has_what("--data", ["a.txt", None]) == "--data is 'a.txt' on rank 0 and None on rank 1"

@@ -6,7 +6,8 @@ building, each rank counts the parameters it will hold (from the model's shapes 
 planner (``pipeclock.plan.planner``) turns them into bytes: weights, gradients and Adam's state.
 For the MLP, whose layers the planner can describe without measuring them, it adds the activations and
 messages the schedule keeps in flight; for a language model the estimate is the parameters' part and
-the step's batch of token ids, a floor. With
+the step's batch of token ids, a floor (a Hugging Face family the planner does not read on paper is
+counted on the meta device: ``meta_pieces``). With
 ``--tp N`` a rank holds one tp rank's share of its stage, as the planner splits a layer
 (``pipeclock.plan.tensor_parallel``): 1/N of the parameters and of what a layer keeps inside it. With
 ``--ep N`` a rank holds 1/N of each of its MoE layers' routed experts, which FSDP2 does not shard. The
@@ -29,6 +30,7 @@ from pipeclock.models.gpt import GPTConfig
 from pipeclock.models.partition import partition
 from pipeclock.observe.sizes import format_bytes
 from pipeclock.plan import experts as expert_plan
+from pipeclock.plan import meta_pieces
 from pipeclock.plan.hf_paper import paper_model, read_config
 from pipeclock.plan.model_layers import rough_layers
 from pipeclock.plan.rank_memory import Recompute, Training, rank_memory
@@ -106,9 +108,26 @@ def _tied_matrix(config) -> int:
     """The parameters of the matrix the embedding and the head share (0 when they share none)."""
     if config.model == "gpt":
         return VOCAB * config.dim
-    if config.model == "hf" and hf_model(config).tied:
-        return hf_model(config).vocab * hf_model(config).hidden
-    return 0
+    if config.model != "hf":
+        return 0
+    try:
+        model = hf_model(config)
+    except (ValueError, AttributeError):
+        return _counted_on_meta(config)[1]
+    return model.vocab * model.hidden if model.tied else 0
+
+
+def _counted_on_meta(config) -> tuple[list[int], int]:
+    """(pieces, tied matrix) of a family the paper model does not read, from its model on the meta device;
+    none under ``--ep`` (experts counted whole would refuse runs that fit) or when it cannot be built
+    (building the stage says why)."""
+    if config.ep > 1:
+        return [], 0
+    try:
+        pieces, tied = meta_pieces.counted(str(config.hf_config or config.hf_model), config.trust_remote_code)
+    except (ValueError, AttributeError, OSError):
+        return [], 0
+    return list(pieces), tied
 
 
 def hf_model(config):
@@ -124,8 +143,8 @@ def piece_parameters(config) -> list[int]:
     if config.model == "hf":
         try:
             model = hf_model(config)
-        except (ValueError, AttributeError):  # a family the paper model cannot read (building it says why)
-            return []
+        except (ValueError, AttributeError):  # a family not read on paper: counted on the meta device
+            return _counted_on_meta(config)[0]
         return [model.embedding_parameters(), *[model.layer_parameters()] * model.layers,
                 model.head_parameters()]  # fmt: skip
     dim, vocab = config.dim, VOCAB
