@@ -10,7 +10,7 @@ from __future__ import annotations
 # charged on top, at the memory's bandwidth): a GPU kind's own figure. Fitted on Megatron-LM's H100 runs
 # and on published A100 runs (docs/cluster.md names them); the kinds without published runs take the H100's.
 H100_GEMM_EFFICIENCY = 0.582
-A100_GEMM_EFFICIENCY = 0.582
+A100_GEMM_EFFICIENCY = 0.617
 GEMM_EFFICIENCY = H100_GEMM_EFFICIENCY
 # The attention kernel's speed (flash-style, causal: only the unmasked half) as a share of the products'.
 ATTENTION_SHARE = 0.552
