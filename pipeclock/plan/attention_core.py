@@ -3,7 +3,7 @@
 Before FlashAttention (2022), Megatron-LM and DeepSpeed computed ``softmax(q k^T) v`` as two batched
 products around a fused scale-mask-softmax and a dropout, each writing or reading the whole
 ``heads x seq x seq`` score matrix of every sequence. Its bytes grow with ``seq / (head_dim x width)``
-against the products' FLOPs: a few per cent of a 1T GPT's layer on an A100, a third of a 1.7B GPT's.
+against the products' FLOPs: they weigh on narrow models most.
 A flash-style kernel keeps the square in on-chip memory, which is what the planner assumes by default
 (``Software(attention="flash")``); ``"materialized"`` charges the square's trips as this module says.
 """
