@@ -423,19 +423,19 @@ def summary(table: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", nargs="?", const=",".join(FITTED), metavar="NAME,...",
                         help="refit the calibration constants first (all, or the ones named)")  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    names = tuple(name.strip() for name in (args.fit or "").split(",") if name.strip())
+    unknown = [name for name in names if name not in FITTED]
+    if unknown:
+        parser.error(f"--fit {unknown[0]}: the fitted constants are {', '.join(FITTED)}")
     table = rows()
     started = time.perf_counter()
     values = None
-    if args.fit:
-        names = tuple(name.strip() for name in args.fit.split(",") if name.strip())
-        unknown = [name for name in names if name not in FITTED]
-        if unknown:
-            parser.error(f"--fit {unknown[0]}: the fitted constants are {', '.join(FITTED)}")
+    if names:
         values = fit(table, names)
         print("fitted:", json.dumps(values, indent=2))
     for row in table:

@@ -73,6 +73,17 @@ def test_an_unknown_attention_kernel_is_refused_by_name():
         Software("bf16", attention="sdpa")
 
 
+def test_refitting_a_constant_that_is_not_fitted_is_refused_in_one_line(capsys):
+    from benchmarks import cluster_check
+
+    with pytest.raises(SystemExit) as exit_:
+        cluster_check.main(["--fit", "A100_GEMM_EFFICIENCY,A100_EFFICIENCY"])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    fitted = ", ".join(cluster_check.FITTED)
+    assert last.endswith(f"error: --fit A100_EFFICIENCY: the fitted constants are {fitted}")
+
+
 def test_without_sequence_parallel_a_stage_sends_its_tp_share_and_gathers_the_rest_on_its_node():
     job, rates = Job(8, 2048), Rates(A100, Software("bf16"))
     whole = 2 * 2048 * GPT.hidden * 2  # one micro-batch's activation, bf16
