@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster_check            # the table of docs/cluster.md, from the package's constants
     python -m benchmarks.cluster_check --fit      # refit the calibration constants on the "fit" rows first
+    python -m benchmarks.cluster_check --fit A100_GEMM_EFFICIENCY   # refit only these, the rest kept
 
 Every row is a published run, quoted from its source (file and commit below), with the knobs the run
 fixed (its degrees, batch, sequence, dtype, kernels, recompute...) given to ``plan --fix``; what the
@@ -17,6 +18,7 @@ Sources:
   commit f2e5db40, 2024-07-15): GPT models, vocabulary 131,072, sequences of 4,096, on H100 SXMs, with
   data-, tensor- and pipeline-parallel communication overlapped; TFLOP/s per GPU as Megatron-LM counts
   them (``num_floating_point_operations``), the count `PaperModel.model_flops_per_token` follows.
+- The A100 runs of 2021-22 (Megatron-LM, BLOOM, MT-NLG): `benchmarks.published_a100`, sources there.
 """
 
 from __future__ import annotations
