@@ -2,6 +2,7 @@
 
     python -m benchmarks.cluster_check            # the table of docs/cluster.md, from the package's constants
     python -m benchmarks.cluster_check --fit      # refit the calibration constants on the "fit" rows first
+    python -m benchmarks.cluster_check --fit A100_GEMM_EFFICIENCY   # refit only these, the rest kept
 
 Every row is a published run, quoted from its source (file and commit below), with the knobs the run
 fixed (its degrees, batch, sequence, dtype, kernels, recompute...) given to ``plan --fix``; what the
@@ -17,6 +18,7 @@ Sources:
   commit f2e5db40, 2024-07-15): GPT models, vocabulary 131,072, sequences of 4,096, on H100 SXMs, with
   data-, tensor- and pipeline-parallel communication overlapped; TFLOP/s per GPU as Megatron-LM counts
   them (``num_floating_point_operations``), the count `PaperModel.model_flops_per_token` follows.
+- The A100 runs of 2021-22 (Megatron-LM, BLOOM, MT-NLG): `benchmarks.published_a100`, sources there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks import published_a100
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
@@ -253,6 +256,20 @@ def rows() -> list[Row]:
         result.append(Row(MEGATRON, f"GPT {size}", model, Cluster(gpus, KINDS["H100-80GB"]),
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
+    return result + a100_rows()
+
+
+def a100_rows() -> list[Row]:
+    """The published A100 runs (`benchmarks.published_a100`) as rows of the table."""
+    from pipeclock.cli.plan_cluster import parse_fix
+
+    result = []
+    for run in published_a100.runs():
+        software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention)
+        cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
+        model, fixed = published_a100.paper(run), parse_fix(run.fix)
+        result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,
+                          None, run.memory_gib, run.role))  # fmt: skip
     return result
 
 
@@ -270,7 +287,7 @@ def predict(row: Row, values: dict | None = None) -> dict:
     GPU kinds' efficiencies of ``values`` where given."""
     cluster = row.cluster
     if values is not None:
-        key = "H100_GEMM_EFFICIENCY" if cluster.kind.name == "H100-80GB" else "TITAN_GEMM_EFFICIENCY"
+        key = KIND_CONSTANTS.get(cluster.kind.name, "TITAN_GEMM_EFFICIENCY")
         cluster = Cluster(cluster.count, dataclasses.replace(cluster.kind, gemm_efficiency=values[key]))
     found = search(row.model, cluster, row.job, row.software, row.fixed, top=1)
     best = found.ranked[0] if found.ranked else found.smallest
@@ -293,12 +310,27 @@ def errors(row: Row) -> tuple[float | None, float | None]:
 
 # --- fitting ----------------------------------------------------------------------------------------
 
-FITTED = ("H100_GEMM_EFFICIENCY", "TITAN_GEMM_EFFICIENCY", "ATTENTION_SHARE", "ELEMENTWISE_PASSES_EAGER",
-          "ELEMENTWISE_PASSES_FUSED", "FP8_SHARE", "ALLOCATOR_SLACK")  # fmt: skip
+FITTED = (
+    "H100_GEMM_EFFICIENCY",
+    "A100_GEMM_EFFICIENCY",
+    "TITAN_GEMM_EFFICIENCY",
+    "ATTENTION_SHARE",
+    "ELEMENTWISE_PASSES_EAGER",
+    "ELEMENTWISE_PASSES_FUSED",
+    "FP8_SHARE",
+    "ALLOCATOR_SLACK",
+)
+# The GPU kinds whose products' efficiency is a fitted constant of their own (others: the spec file's).
+KIND_CONSTANTS = {
+    "H100-80GB": "H100_GEMM_EFFICIENCY",
+    "A100-80GB": "A100_GEMM_EFFICIENCY",
+    "A100-40GB": "A100_GEMM_EFFICIENCY",
+}
 
 
-def fit(table: list[Row]) -> dict:
-    """Coordinate descent on the squared errors of the "fit" rows, one constant at a time."""
+def fit(table: list[Row], names: tuple[str, ...] = FITTED) -> dict:
+    """Coordinate descent on the squared errors of the "fit" rows, one constant of ``names`` at a time
+    (the others keep their values)."""
     values = current()
     chosen = [row for row in table if row.role == "fit"]
 
@@ -313,7 +345,7 @@ def fit(table: list[Row]) -> dict:
 
     best = loss(values)
     for _ in range(4):
-        for name in FITTED:
+        for name in names:
             for factor in (0.7, 0.85, 0.93, 0.97, 1.03, 1.07, 1.15, 1.3):
                 candidate = dict(values, **{name: values[name] * factor})
                 trial = loss(candidate)
@@ -326,6 +358,7 @@ def fit(table: list[Row]) -> dict:
 def current() -> dict:
     return {
         "H100_GEMM_EFFICIENCY": calibration.H100_GEMM_EFFICIENCY,
+        "A100_GEMM_EFFICIENCY": calibration.A100_GEMM_EFFICIENCY,
         "TITAN_GEMM_EFFICIENCY": json.loads((CONFIGS / "h100-96gb-500w.json").read_text())["gemm_efficiency"],
         "ATTENTION_SHARE": calibration.ATTENTION_SHARE,
         "ELEMENTWISE_PASSES_EAGER": calibration.ELEMENTWISE_PASSES["eager"],
@@ -392,15 +425,20 @@ def summary(table: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="refit the calibration constants first")
-    args = parser.parse_args()
+    parser.add_argument("--fit", nargs="?", const=",".join(FITTED), metavar="NAME,...",
+                        help="refit the calibration constants first (all, or the ones named)")  # fmt: skip
+    args = parser.parse_args(argv)
+    names = tuple(name.strip() for name in (args.fit or "").split(",") if name.strip())
+    unknown = [name for name in names if name not in FITTED]
+    if unknown:
+        parser.error(f"--fit {unknown[0]}: the fitted constants are {', '.join(FITTED)}")
     table = rows()
     started = time.perf_counter()
     values = None
-    if args.fit:
-        values = fit(table)
+    if names:
+        values = fit(table, names)
         print("fitted:", json.dumps(values, indent=2))
     for row in table:
         row.predicted = predict(row, values)

@@ -7,12 +7,16 @@ against (``python -m benchmarks.cluster_check`` refits and rechecks them).
 from __future__ import annotations
 
 # Share of the dense peak that a large matrix product reaches (its operands' trips through memory are
-# charged on top, at the memory's bandwidth): a GPU kind's own figure. Fitted on Megatron-LM's H100 runs;
-# the kinds without published runs take the H100's.
+# charged on top, at the memory's bandwidth): a GPU kind's own figure. Fitted on Megatron-LM's H100 runs
+# and on published A100 runs (docs/cluster.md names them); the kinds without published runs take the H100's.
 H100_GEMM_EFFICIENCY = 0.582
+A100_GEMM_EFFICIENCY = 0.617
 GEMM_EFFICIENCY = H100_GEMM_EFFICIENCY
 # The attention kernel's speed (flash-style, causal: only the unmasked half) as a share of the products'.
 ATTENTION_SHARE = 0.552
+# Bytes moved per element of the attention's score matrix in a forward without a flash-style kernel
+# (written by q k^T, read and written by softmax and by dropout with its mask, read by the product with v).
+SCORE_BYTES = 13.0
 # Elementwise work (norms, activation functions, residuals, rotary), in bytes moved through memory per
 # byte a layer keeps for its backward: eager PyTorch runs each operation alone, fused kernels (or
 # torch.compile) run a few. The backward moves twice the forward's.

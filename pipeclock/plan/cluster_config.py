@@ -16,6 +16,7 @@ RETIRED_RECOMPUTES = {
     "(torchtitan's: every other matrix product)"
 }
 ZERO_STAGES = (0, 1, 2, 3)
+ATTENTION_KERNELS = ("flash", "materialized")  # see pipeclock.plan.attention_core
 DTYPES = ("fp32", "bf16", "fp8")
 ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}
 
@@ -28,15 +29,20 @@ class Software:
     float8, the rest bf16). ``fused``: the elementwise operations fused into few kernels (torch.compile,
     or a framework's fused kernels), else run one by one as eager PyTorch runs them. ``tp_overlap``: tensor
     parallel's collectives overlapped with the matrix products (torchtitan's AsyncTP, Megatron-LM's
-    ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them."""
+    ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them. ``attention``: a flash-style
+    kernel, or the score matrix materialized as runs before 2023 did (`pipeclock.plan.attention_core`)."""
 
     dtype: str = "bf16"
     fused: bool = False
     tp_overlap: bool = False
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION_KERNELS:
+            kernels = " or ".join(ATTENTION_KERNELS)
+            raise ValueError(f"unknown attention kernel {self.attention!r}: use {kernels}")
 
     @property
     def activation_bytes(self) -> int:

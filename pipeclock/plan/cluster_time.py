@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeclock.plan import activations, calibration, experts
+from pipeclock.plan import activations, attention_core, calibration, experts
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import placement_for, stage_layers
 from pipeclock.plan.gpus import GpuKind
@@ -90,16 +90,18 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     collectives = _tp_collective(model, config, tokens, software, rates)
     collectives *= 0.5 if model.kind == "mlp" else 2.0
     exchange = experts.exchange(model, config, job, software, rates.gpu)
-    forward = products + attention + elementwise + collectives + exchange.forward
+    scores = attention_core.score_seconds(model, config, job, software, rates)
+    forward = products + attention + scores + elementwise + collectives + exchange.forward
     again = {
         "none": 0.0,
-        "selective-attention": attention,
+        "selective-attention": attention + scores,
         "selective-op": elementwise + sum(seconds for g, seconds in each if not g.kept),
         "full": forward,
     }[config.recompute]
+    backward = products + 2.5 * attention + 2 * (elementwise + scores) + collectives + again
     return LayerTime(
         forward=forward,
-        input_grad=products + 2.5 * attention + 2 * elementwise + collectives + again + exchange.backward,
+        input_grad=backward + exchange.backward,
         weight_grad=products,
         recompute=again,
         tp=collectives,
@@ -197,12 +199,19 @@ def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]
 
 def message_seconds(model, config, job, rates) -> float:
     """What one stage-to-stage message costs: an activation (or its gradient) of one micro-batch, split
-    over the tp ranks under sequence parallel, on the node's link or, past a node, the network."""
+    over the tp ranks, on the node's link or, past a node, the network. Without sequence parallel each
+    tp rank holds the whole activation, sends its 1/tp share and gathers the rest from its node's
+    ranks on arrival (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1)."""
     tokens = config.microbatch_size * job.seq_len
-    message = tokens * model.hidden * rates.a / (config.tp if config.sequence_parallel else 1)
+    whole = tokens * model.hidden * rates.a
     crosses_nodes = config.tp * config.pp > rates.gpu.gpus_per_node
     link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
-    return calibration.COLLECTIVE_LATENCY + message / (link * calibration.LINK_EFFICIENCY)
+    seconds = calibration.COLLECTIVE_LATENCY + whole / config.tp / (link * calibration.LINK_EFFICIENCY)
+    if config.tp > 1 and not config.sequence_parallel:
+        gather = whole * (config.tp - 1) / config.tp
+        node = rates.gpu.intra_node_bandwidth * calibration.LINK_EFFICIENCY
+        seconds += calibration.COLLECTIVE_LATENCY + gather / node
+    return seconds
 
 
 def pipeline_seconds(model, config, job, software, rates, costs) -> tuple[Simulated, float]:

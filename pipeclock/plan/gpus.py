@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeclock.plan.calibration import GEMM_EFFICIENCY, H100_GEMM_EFFICIENCY
+from pipeclock.plan.calibration import A100_GEMM_EFFICIENCY, GEMM_EFFICIENCY, H100_GEMM_EFFICIENCY
 
 GB = 10**9
 GIB = 2**30
@@ -64,8 +64,8 @@ def _kind(
 KINDS: dict[str, GpuKind] = {
     kind.name: kind
     for kind in (
-        _kind("A100-40GB", 312, 19.5, None, 40, 1555, 8, "NVLink", 300, 200),
-        _kind("A100-80GB", 312, 19.5, None, 80, 2039, 8, "NVLink", 300, 200),
+        _kind("A100-40GB", 312, 19.5, None, 40, 1555, 8, "NVLink", 300, 200, A100_GEMM_EFFICIENCY),
+        _kind("A100-80GB", 312, 19.5, None, 80, 2039, 8, "NVLink", 300, 200, A100_GEMM_EFFICIENCY),
         _kind("H100-80GB", 989.4, 66.9, 1978.9, 80, 3350, 8, "NVLink", 450, 400, H100_GEMM_EFFICIENCY),
         _kind("H200", 989.4, 66.9, 1978.9, 141, 4800, 8, "NVLink", 450, 400),
         _kind("RTX4090", 165.2, 82.6, 330.3, 24, 1008, 8, "PCIe", 32, 100),
