@@ -13,17 +13,18 @@ Sources:
   (commit f2e72c8a). Its TFLOP/s count the recompute's extra forward (Eq. 3:
   96 B s l h^2 (1 + s/6h + V/16lh) per iteration, four passes through the layers).
 - BigScience BLOOM 176B (arXiv 2211.05100), run on Megatron-DeepSpeed: bigscience-workshop/bigscience
-  ``train/tr11-176B-ml/tr11-176B-ml.slurm`` (tp 4, pp 12, micro-batch 2, global batch 2,048 x 2,048,
+  ``train/tr11-176B-ml/tr11-176B-ml.slurm`` at commit 1a829a2d (48 nodes; later commits moved to 24)
+  (tp 4, pp 12, micro-batch 2, global batch 2,048 x 2,048,
   bf16, full recompute, DeepSpeed ZeRO stage 0 with its bf16 optimizer's own ZeRO-1 sharding), its README
   (384 A100-80GB, dp 8) and ``chronicles.md`` 2022-03-18 ("at full throttle of GBS=2048 and at 149-150
   TFLOPs per GPU. A single train iteration is about 105 secs."); memory: the BigScience model page
   (bigscience.notion.site, "BigScience 176B Model": "one copy of the model takes 48 GPUs (using 60 GB
-  of memory on each GPU)").
+  of memory on each GPU)"; read as GiB, the unit nvidia-smi's figures are in: 55.9 GiB if decimal GB).
 - Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv 2201.11990),
-  section 2.4: 105 layers, width 20,480, 128 heads, sequences of 2,048, 8-way tensor and 35-way
-  pipeline parallel, global batch 1,920 on 280, 350 and 420 DGX A100 servers: 60.1, 50.2 and 44.4 s
-  an iteration (126, 121 and 113 TFLOP/s per GPU). Its vocabulary is taken as Table 1's 51,200 for the
-  same shape (the head is under 1 % of the FLOPs).
+  section 3.2: 105 layers, width 20,480, 128 heads, sequences of 2,048, 8-way tensor and 35-way
+  pipeline parallel; section 2.4: global batch 1,920 on 280, 350 and 420 DGX A100 servers: 60.1, 50.2
+  and 44.4 s an iteration (126, 121 and 113 TFLOP/s per GPU). Its vocabulary is taken as Table 1's
+  51,200 for the same shape (the head is under 1 % of the FLOPs).
 """
 
 from __future__ import annotations
