@@ -1,4 +1,4 @@
-"""Published A100 runs for the cluster check: Megatron-LM 2021, BLOOM (Megatron-DeepSpeed), MT-NLG.
+"""Published A100 runs for the cluster check: Megatron-LM 2021 and 2022, BLOOM (Megatron-DeepSpeed), MT-NLG.
 
 Each row gives the run's own knobs to ``plan --fix`` and its published speed as tokens/s per GPU: a
 figure that does not depend on how a paper counts FLOPs. Where a source gives TFLOP/s, the tokens are
@@ -25,6 +25,17 @@ Sources:
   pipeline parallel; section 2.4: global batch 1,920 on 280, 350 and 420 DGX A100 servers: 60.1, 50.2
   and 44.4 s an iteration (126, 121 and 113 TFLOP/s per GPU). Its vocabulary is taken as Table 1's
   51,200 for the same shape (the head is under 1 % of the FLOPs).
+- Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198,
+  v1), Megatron-LM with sequence parallel and selective recompute on DGX A100-80GB (Selene), mixed
+  precision, sequences of 2,048, vocabulary 51,200: Table 3 (each model's heads, width, layers, tp, pp,
+  GPUs, global batch and micro-batch; no data parallel), section 6 (three interleaved stages per rank
+  for the 175B and 530B), Table 5 (iteration seconds with full recompute and with "present work",
+  sequence parallel with selective recompute) and section 6.3 (the 530B at 8-way data parallel on
+  2,240 GPUs, the batch multiplied by 8: 39.15 s; no overlap of the gradient all-reduce). The abstract
+  gives that run's full-recompute MFU, 42.1 %, read back to tokens by the paper's model FLOPs (Appendix
+  A, Eq. 7: 72 B L s h^2 (1 + s/6h + v/12hL) an iteration, no recompute counted) and the A100's 312
+  TFLOP/s. Table 5's MFUs (41.5, 51.4, 56.0, 56.3 %) are also in the Megatron-LM README of 2022-05-19
+  (commit 2e90a342f5), "measured using a data parallel size of one"; its seconds give the same to 0.2 %.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from pipeclock.plan.paper_model import PaperModel
 NARAYANAN = "Narayanan et al. 2021, Table 1"
 BLOOM = "BLOOM 176B (BigScience 2022)"
 MT_NLG = "MT-NLG 530B (Smith et al. 2022)"
+KORTHIKANTI = "Korthikanti et al. 2022"
+A100_PEAK = 312e12  # dense fp16/bf16 FLOP/s, the peak the papers' utilizations divide by
 GPT_VOCAB, GPT_SEQ = 51200, 2048
 
 
@@ -93,6 +106,56 @@ def _table_1() -> list[PublishedRun]:
     return runs
 
 
+def korthikanti_model_flops(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Model FLOPs per token as Korthikanti et al. count them (Appendix A, Eq. 7 over B s tokens): the
+    products of a forward and a backward, none of the recompute's."""
+    return 72 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+# Table 3: (size, heads, hidden, layers, tp, pp, GPUs, global batch, micro-batch), with section 6's
+# interleaved stages per rank (0: none), and Table 5: seconds an iteration, full recompute and present work.
+KORTHIKANTI_RUNS = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 0, 1.42, 1.10),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 0, 94.42, 71.49),
+]  # fmt: skip
+# Section 6.3: the 530B at dp 8 on 2,240 GPUs, 39.15 s with present work; the abstract: 42.1 % MFU with
+# full recompute (no seconds published).
+KORTHIKANTI_DP8 = {"gpus": 2240, "batch": 280 * 8, "present": 39.15, "full_mfu": 0.421}
+SOFTWARE_2022 = {"full": "recompute=full,sp=off", "present": "recompute=selective-attention,sp=on"}
+
+
+def _korthikanti() -> list[PublishedRun]:
+    runs = []
+    for size, heads, hidden, layers, tp, pp, gpus, batch, mbs, chunks, full, present in KORTHIKANTI_RUNS:
+        model = ("gpt", heads, hidden, layers, GPT_VOCAB)
+        schedule = f"schedule=interleaved-1f1b,chunks={chunks}" if chunks else "schedule=1f1b"
+        for policy, seconds in (("full", full), ("present", present)):
+            fix = f"tp={tp},pp={pp},dp=1,microbatch-size={mbs},{SOFTWARE_2022[policy]},zero=0,{schedule}"
+            runs.append(PublishedRun(KORTHIKANTI, f"GPT {size}, {_policy_words(policy)}", model, gpus,
+                                     "A100-80GB", batch, GPT_SEQ, fix, batch * GPT_SEQ / seconds / gpus,
+                                     None, "check"))  # fmt: skip
+    _, heads, hidden, layers, tp, pp, *_ = KORTHIKANTI_RUNS[2]
+    gpus, batch = KORTHIKANTI_DP8["gpus"], KORTHIKANTI_DP8["batch"]
+    per_token = korthikanti_model_flops(layers, hidden, GPT_SEQ, GPT_VOCAB)
+    published = {
+        "full": KORTHIKANTI_DP8["full_mfu"] * A100_PEAK / per_token,
+        "present": batch * GPT_SEQ / KORTHIKANTI_DP8["present"] / gpus,
+    }
+    for policy, tokens in published.items():
+        fix = (f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size=1,{SOFTWARE_2022[policy]},zero=0,"
+               "schedule=interleaved-1f1b,chunks=3")  # fmt: skip
+        runs.append(PublishedRun(KORTHIKANTI, f"GPT 530B dp 8, {_policy_words(policy)}",
+                                 ("gpt", heads, hidden, layers, GPT_VOCAB), gpus, "A100-80GB", batch, GPT_SEQ,
+                                 fix, tokens, None, "check"))  # fmt: skip
+    return runs
+
+
+def _policy_words(policy: str) -> str:
+    return "full recompute" if policy == "full" else "sp + selective"
+
+
 def _bloom() -> PublishedRun:
     gpus, batch, seq, seconds = 384, 2048, 2048, 105.0
     fix = "tp=4,pp=12,dp=8,microbatch-size=2,recompute=full,zero=1,sp=off,schedule=1f1b"
@@ -114,7 +177,7 @@ def _mt_nlg() -> list[PublishedRun]:
 
 def runs() -> list[PublishedRun]:
     """Every published A100 run of the check, in the order of docs/cluster.md's table."""
-    return [*_table_1(), _bloom(), *_mt_nlg()]
+    return [*_table_1(), _bloom(), *_mt_nlg(), *_korthikanti()]
 
 
 def paper(run: PublishedRun) -> PaperModel:
