@@ -18,7 +18,8 @@ Sources:
   commit f2e5db40, 2024-07-15): GPT models, vocabulary 131,072, sequences of 4,096, on H100 SXMs, with
   data-, tensor- and pipeline-parallel communication overlapped; TFLOP/s per GPU as Megatron-LM counts
   them (``num_floating_point_operations``), the count `PaperModel.model_flops_per_token` follows.
-- The A100 runs of 2021-22 (Megatron-LM, BLOOM, MT-NLG): `benchmarks.published_a100`, sources there.
+- The A100 runs of 2021-22 (Megatron-LM's of 2021 and of 2022 with sequence parallel and selective
+  recompute, BLOOM, MT-NLG): `benchmarks.published_a100`, sources there.
 """
 
 from __future__ import annotations

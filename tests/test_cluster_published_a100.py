@@ -1,6 +1,7 @@
 """The cluster planner against published A100 runs (benchmarks/published_a100.py, docs/cluster.md): each
 quoted figure read back as its source counts it, the A100 kinds' own constant, attention without a
-flash-style kernel, Megatron's split stage-to-stage messages, and the runs predicted within the target."""
+flash-style kernel, Megatron's split stage-to-stage messages, the runs predicted within the target, and
+what sequence parallel with selective recompute costs against what Korthikanti et al. 2022 measured."""
 
 from __future__ import annotations
 
