@@ -27,6 +27,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks import published_h100
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
@@ -253,7 +254,7 @@ def rows() -> list[Row]:
         result.append(Row(MEGATRON, f"GPT {size}", model, Cluster(gpus, KINDS["H100-80GB"]),
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
-    return result
+    return result + published_h100.rows()
 
 
 def megatron_gpt(size: str, heads: int, hidden: int, layers: int):
@@ -272,6 +273,9 @@ def predict(row: Row, values: dict | None = None) -> dict:
     if values is not None:
         key = "H100_GEMM_EFFICIENCY" if cluster.kind.name == "H100-80GB" else "TITAN_GEMM_EFFICIENCY"
         cluster = Cluster(cluster.count, dataclasses.replace(cluster.kind, gemm_efficiency=values[key]))
+        if cluster.kind.name == "H100-80GB":  # its fp8 products: their own constant
+            kind = dataclasses.replace(cluster.kind, fp8_gemm_efficiency=values[FP8_KEY])
+            cluster = Cluster(cluster.count, kind)
     found = search(row.model, cluster, row.job, row.software, row.fixed, top=1)
     best = found.ranked[0] if found.ranked else found.smallest
     return {
@@ -295,6 +299,8 @@ def errors(row: Row) -> tuple[float | None, float | None]:
 
 FITTED = ("H100_GEMM_EFFICIENCY", "TITAN_GEMM_EFFICIENCY", "ATTENTION_SHARE", "ELEMENTWISE_PASSES_EAGER",
           "ELEMENTWISE_PASSES_FUSED", "FP8_SHARE", "ALLOCATOR_SLACK")  # fmt: skip
+FP8_KEY = "H100_FP8_GEMM_EFFICIENCY"
+FITTED += (FP8_KEY,)
 
 
 def fit(table: list[Row]) -> dict:
@@ -332,6 +338,7 @@ def current() -> dict:
         "ELEMENTWISE_PASSES_FUSED": calibration.ELEMENTWISE_PASSES["fused"],
         "FP8_SHARE": calibration.FP8_SHARE,
         "ALLOCATOR_SLACK": calibration.ALLOCATOR_SLACK,
+        FP8_KEY: calibration.H100_FP8_GEMM_EFFICIENCY,
     }
 
 
@@ -367,6 +374,10 @@ def markdown(table: list[Row]) -> str:
     for table_name, name, tokens, memory in NOT_MODELLED:
         lines.append(f"| {TITAN} {table_name} | {name} | - | {tokens:,} tokens/s | context parallel is not "
                      f"modelled | - | {memory} | - | - | - | - |")  # fmt: skip
+    for source, name, tokens, tflops in published_h100.NOT_MODELLED:
+        published = f"{tflops} TFLOP/s" if tokens is None else f"{tokens:,} tokens/s"
+        lines.append(f"| {source} | {name} | - | {published} | context parallel is not modelled | - | - "
+                     "| - | - | - | - |")  # fmt: skip
     return "\n".join(lines)
 
 
