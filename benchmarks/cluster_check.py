@@ -394,8 +394,8 @@ def summary(table: list[Row]) -> str:
         with_memory = [row for row in chosen if errors(row)[1] is not None]
         memory = max(with_memory, key=lambda row: abs(errors(row)[1]))
         lines.append(
-            f"{'checked' if role == 'check' else 'fitted'} rows: speed within 15 % on "
-            f"{sum(abs(errors(r)[0]) <= 0.15 for r in chosen)} of {len(chosen)} "
+            f"{'checked' if role == 'check' else 'fitted'} rows: speed within 10 % on "
+            f"{sum(abs(errors(r)[0]) <= 0.10 for r in chosen)} of {len(chosen)} "
             f"(worst {errors(speed)[0]:+.1%}: {speed.source} {speed.name}); memory within 10 % on "
             f"{sum(abs(errors(r)[1]) <= 0.10 for r in with_memory)} of {len(with_memory)} (worst "
             f"{errors(memory)[1]:+.1%}: {memory.source} {memory.name})"

@@ -39,7 +39,7 @@ META_SEQ = 8192
 # (model, GPUs, GBS, MBS, sequence, tp, pp, vp, tokens/s per GPU, role); all cp 1
 NEMO_ROWS = [
     ("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 23406, "check"),
-    ("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 5851, "fit"),
+    ("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 5851, "check"),
     ("GPT3-175B", 128, 256, 1, 2048, 4, 8, 6, 716, "fit"),
     ("GPT3-175B", 512, 2048, 2, 2048, 4, 8, 6, 825, "check"),
     ("LLAMA2-7B", 8, 128, 1, 4096, 1, 1, 1, 16934, "check"),
