@@ -366,8 +366,8 @@ def markdown(table: list[Row]) -> str:
             "tokens/s", row.tokens, p["tokens"]
         )  # fmt: skip
         lines.append(
-            f"| {row.source} | {row.name} | {row.cluster.count} | {published:,.4g} {unit} | "
-            f"{predicted:,.4g} | {speed:+.1%} | {_or_dash(row.memory)} | "
+            f"| {row.source} | {row.name} | {row.cluster.count} | {_figure(published)} {unit} | "
+            f"{_figure(predicted)} | {speed:+.1%} | {_or_dash(row.memory)} | "
             f"{p['memory']:.1f}{'' if p['fits'] else ' (does not fit)'} | "
             f"{'-' if memory is None else f'{memory:+.1%}'} | {row.role} | {p['config']} |"
         )
@@ -379,6 +379,10 @@ def markdown(table: list[Row]) -> str:
         lines.append(f"| {source} | {name} | - | {published} | context parallel is not modelled | - | - "
                      "| - | - | - | - |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def _or_dash(value) -> str:

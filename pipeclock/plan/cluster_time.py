@@ -122,10 +122,13 @@ def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: 
 
 def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Software, rates: Rates) -> float:
     """One all-reduce of a micro-batch's activations among the tp ranks (or an all-gather plus a
-    reduce-scatter, the same bytes), as exposed: the part the run does not overlap."""
+    reduce-scatter, the same bytes; under fp8 the all-gather's in fp8), as exposed: the part the run does
+    not overlap."""
     if config.tp == 1:
         return 0.0
     volume = tokens * model.hidden * rates.a
+    if software.dtype == "fp8" and config.sequence_parallel:  # the all-gathers carry the products' fp8
+        volume *= 0.75  # inputs (Transformer Engine's, torchao's Float8ColwiseParallel); reduce-scatters bf16
     share = 2.0 * (config.tp - 1) / config.tp
     link = rates.gpu.intra_node_bandwidth * calibration.LINK_EFFICIENCY
     calls = 2 if config.sequence_parallel else 1
