@@ -17,11 +17,17 @@ Sources, every figure quoted as printed:
   GELU, biases and tied embeddings; ``llama.py``: Llama 2 7B, 13B, 70B), the vocabulary padded as
   Megatron pads it (to a multiple of 128 x tp: GPT-2's 50,257 tokens, Llama 2's 32,000). Its Nemotron rows
   (squared-ReLU Nemotron, a family the planner does not read) and its Llama 3 rows (cp 2) are left out.
+- NVIDIA Megatron-Bridge, ``docs/performance-summary-archive.md`` (NVIDIA-NeMo/Megatron-Bridge, read at
+  commit 067f987d, 2026-08-22): DGX-H100 pre-training of Llama 3 8B and 70B (docs/cluster's Llama 3.1
+  configs: the same shapes) in FP8 with current scaling, containers 25.11 and 26.04, with FSDP, TP, PP,
+  CP, VP, GBS, MBS per row and tokens/s per GPU. Its Llama 3.1 405B H100 rows use cp 2 and are left out,
+  as are its mixtures (GPT-OSS, Qwen3 MoE: families or token balancing the planner does not model).
 
 What a source does not state (recompute and ZeRO stage of NeMo's runs, sequence parallel, the micro-batch
 of Meta's runs and the chunks of its interleaving) is left to the search. Overlapping tensor parallel's
-collectives is stated by neither: NeMo's runs are taken as overlapped (Megatron-Core's ``tp_comm_overlap``,
-which NeMo's H100 performance scripts configure per dtype), Meta's as not (with ``--tp-overlap`` the
+collectives is stated in no table: NVIDIA's runs are taken as overlapped (Megatron-Core's
+``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g. Megatron-Bridge's
+``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with ``--tp-overlap`` the
 planner reads them 3 % and 1 % faster).
 """
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 META = "Meta, Llama 3 Table 4"
 NEMO = "NeMo 24.07 FP8"
+BRIDGE = "Megatron-Bridge FP8"
 
 # (GPUs, tp, pp, dp, sequences per dp rank, TFLOP/s per GPU, role)
 META_ROWS = [
@@ -46,6 +53,13 @@ NEMO_ROWS = [
     ("LLAMA2-13B", 16, 128, 1, 4096, 1, 4, 10, 8715, "check"),
     ("LLAMA2-70B", 64, 128, 1, 4096, 4, 4, 20, 1728, "fit"),
 ]
+# (container, Llama 3 size, GPUs, GBS, MBS, FSDP, tp, pp, vp, tokens/s per GPU, role); sequences of 8,192
+BRIDGE_ROWS = [
+    ("25.11", "8b", 8, 128, 1, 8, 1, 1, 1, 14451, "check"),
+    ("25.11", "70b", 64, 128, 1, 0, 4, 8, 5, 1602, "check"),
+    ("26.04", "70b", 64, 256, 1, 0, 4, 8, 5, 1633, "check"),
+]
+BRIDGE_SEQ = 8192
 # NeMo's configs: (layers, hidden, ffn, heads, kv heads)
 SHAPES = {
     "GPT3-5B": (24, 4096, 16384, 32, 32),
@@ -87,6 +101,14 @@ def rows() -> list:
         result.append(Row(NEMO, f"{name}, {gpus} GPUs", nemo_model(name, tp, seq), Cluster(gpus, h100),
                           Job(batch, seq), Software("fp8", True, True), fixed, tokens, None, None,
                           role))  # fmt: skip
+    for container, size, gpus, batch, mbs, fsdp, tp, pp, vp, tokens, role in BRIDGE_ROWS:
+        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3 {size.upper()}")
+        schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else ""
+        zero = ",zero=3" if fsdp else ""
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{zero}{schedule}")
+        result.append(Row(BRIDGE, f"Llama 3 {size.upper()}, {gpus} GPUs, GBS {batch} ({container})", model,
+                          Cluster(gpus, h100), Job(batch, BRIDGE_SEQ), Software("fp8", True, True), fixed,
+                          tokens, None, None, role))  # fmt: skip
     return result
 
 
