@@ -83,6 +83,19 @@ def test_a_gpu_spec_file_describes_any_other_kind(monkeypatch, capsys, tmp_path)
     assert all(row["memory_per_gpu_bytes"] <= 40 * 2**30 for row in json.loads(out))
 
 
+def test_a_spec_may_give_its_fp8_products_their_own_share_of_the_fp8_peak(tmp_path):
+    from pipeclock.plan.cluster_config import Software
+    from pipeclock.plan.cluster_time import Rates
+    from pipeclock.plan.gpus import KINDS, load_spec
+
+    own = load_spec(_spec_with(tmp_path, "fp8_gemm_efficiency", "0.5"))
+    assert Rates(own, Software("fp8")).gemm == pytest.approx(own.fp8_flops * 0.5)
+    titan = load_spec(CONFIGS / "h100-96gb-500w.json")  # none of its own: its bf16 share x FP8_SHARE
+    assert titan.fp8_gemm_efficiency is None
+    h100 = KINDS["H100-80GB"]
+    assert Rates(h100, Software("fp8")).gemm == pytest.approx(h100.fp8_flops * h100.fp8_gemm_efficiency)
+
+
 def _spec_with(tmp_path, field: str, raw: str) -> str:
     """The spec with ``field`` written as the JSON text ``raw`` (NaN and 1e400 are what a user types)."""
     spec = json.loads((CONFIGS / "h100-96gb-500w.json").read_text())
@@ -161,6 +174,8 @@ def _t5_config(tmp_path) -> str:
          "memory_gb must be a finite number above 0, got inf"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC gemm_eficiency 0.5"],
          "unknown field gemm_eficiency (did you mean gemm_efficiency?)"),
+        (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC fp8_gemm_efficiency -1"],
+         "fp8_gemm_efficiency must be a finite number above 0, got -1"),
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "tp=8,tp=2"], "--fix names tp twice"),
         (["--cluster", "8xH100-80GB", "--hf-config", "BERT"], "BertConfig (model_type 'bert') is not a"),
         (["--cluster", "8xH100-80GB", "--hf-config", "DOGE"],

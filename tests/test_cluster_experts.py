@@ -102,6 +102,22 @@ def test_deepseek_v3_pre_training_is_predicted_within_20_percent_of_its_publishe
     assert not predict(replace(ROWS[2], fix=ROWS[2].fix + chosen)).fits  # its experts fill an 80 GB H800
 
 
+def test_deepseek_v3_on_paper_has_its_published_671b_parameters_and_three_dense_first_blocks():
+    """The report's 671B (arXiv 2412.19437, abstract): its first three blocks' dense MLPs (18,432 wide)
+    counted as such, not as 256 experts each; their costs are a dense block's, without all-to-all."""
+    pytest.importorskip("transformers")
+    from benchmarks.moe_check import CONFIGS
+    from pipeclock.plan.hf_paper import paper_model, read_config
+
+    model = paper_model(read_config(CONFIGS / "deepseek-v3.json"))
+    assert (model.dense_layers, model.dense_ffn) == (3, 18432)
+    assert abs(model.parameters() / 671e9 - 1) < 0.01
+    twin = model.dense_twin()
+    assert not twin.is_moe and model.dense_among(range(0, 4)) == 3 and model.dense_among(range(4, 8)) == 0
+    config = Config(1, 16, 128, "1f1b", 1, 1, 8, "none", 1, False, ep=64)
+    assert experts.exchange(twin, config, Job(15360, 4096), Software("fp8"), KINDS["H100-80GB"]).forward == 0
+
+
 def test_plan_refuses_ep_on_a_dense_model_in_one_line_and_exit_code_2(monkeypatch, capsys):
     import sys
 

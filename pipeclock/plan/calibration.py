@@ -24,6 +24,7 @@ ELEMENTWISE_PASSES = {"eager": 2.24, "fused": 0.689}
 # float8 products' share of the fp8 peak, as a share of what bf16 products reach of theirs (the scaling
 # and casts around each product included).
 FP8_SHARE = 0.749
+H100_FP8_GEMM_EFFICIENCY = 0.60  # an H100 SXM's own: float8 products' share of its fp8 dense peak
 # Share of a link's bandwidth that a collective or a message reaches, and the fixed cost of each.
 LINK_EFFICIENCY = 0.80
 COLLECTIVE_LATENCY = 20e-6  # seconds

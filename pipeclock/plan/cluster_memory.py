@@ -138,11 +138,15 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     last_stage = config.pp * config.chunks - 1
     first, last = 0 in stages, last_stage in stages
     layers = sum(len(cuts[s]) for s in stages)
-    parameters = layers * _layer_parameters_per_gpu(model, config.tp)
+    dense = sum(model.dense_among(cuts[s]) for s in stages)  # a mixture's dense first blocks
+    parameters = (layers - dense) * layer_parameters_per_gpu(model, config.tp)
+    parameters += dense * layer_parameters_per_gpu(model.dense_twin(), config.tp) if dense else 0
     parameters += (model.embedding_parameters() / config.tp) if first else 0
     if last and not (first and model.tied):
         parameters += model.head_parameters() / config.tp
-    weights, gradients, optimizer = experts.split_states(_states, model, config, software, parameters, layers)
+    weights, gradients, optimizer = experts.split_states(
+        _states, model, config, software, parameters, layers, layers - dense
+    )
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
@@ -161,7 +165,7 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     return GpuMemory(weights, gradients, optimizer, kept, working)
 
 
-def _layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:
+def layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:
     """A block's parameters on one tp rank: its matrices split tp ways, its norms whole."""
     norms = 2 * model.norm_parameters()
     return (model.layer_parameters() - norms) / tp + norms
@@ -180,7 +184,7 @@ def _states(model, config, software, parameters: float, layers: int) -> tuple[fl
     compute = 2 if mixed else MASTER_BYTES
     state = ADAM_BYTES + (MASTER_BYTES if mixed else 0)
     if zero == 3 and config.pp == 1:  # the layer being run and the next one are gathered
-        weights = min(2, layers) * _layer_parameters_per_gpu(model, config.tp) * compute
+        weights = min(2, layers) * layer_parameters_per_gpu(model, config.tp) * compute
         weights += parameters * compute / dp if not mixed else 0.0  # fp32: the shard is the weights
     else:
         weights = parameters * compute

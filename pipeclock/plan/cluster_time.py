@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pipeclock.plan import activations, attention_core, calibration, experts
 from pipeclock.plan.cluster_config import Config, Job, Software
-from pipeclock.plan.cluster_memory import placement_for, stage_layers
+from pipeclock.plan.cluster_memory import layer_parameters_per_gpu, placement_for, stage_layers
 from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_time import Simulated, _round, simulated
@@ -67,7 +67,8 @@ class Rates:
     def __init__(self, gpu: GpuKind, software: Software):
         fp8 = software.dtype == "fp8"
         plain = gpu.peak("fp32" if software.dtype == "fp32" else "bf16") * gpu.gemm_efficiency
-        self.gemm = gpu.peak("fp8") * gpu.gemm_efficiency * calibration.FP8_SHARE if fp8 else plain
+        fp8_efficiency = gpu.fp8_gemm_efficiency or gpu.gemm_efficiency * calibration.FP8_SHARE
+        self.gemm = gpu.peak("fp8") * fp8_efficiency if fp8 else plain
         self.attention = plain * calibration.ATTENTION_SHARE
         self.memory = gpu.memory_bandwidth
         self.a = software.activation_bytes
@@ -123,10 +124,13 @@ def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: 
 
 def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Software, rates: Rates) -> float:
     """One all-reduce of a micro-batch's activations among the tp ranks (or an all-gather plus a
-    reduce-scatter, the same bytes), as exposed: the part the run does not overlap."""
+    reduce-scatter, the same bytes; under fp8 the all-gather's in fp8), as exposed: the part the run does
+    not overlap."""
     if config.tp == 1:
         return 0.0
     volume = tokens * model.hidden * rates.a
+    if software.dtype == "fp8" and config.sequence_parallel:  # the all-gathers carry the products' fp8
+        volume *= 0.75  # inputs (Transformer Engine's, torchao's Float8ColwiseParallel); reduce-scatters bf16
     share = 2.0 * (config.tp - 1) / config.tp
     link = rates.gpu.intra_node_bandwidth * calibration.LINK_EFFICIENCY
     calls = 2 if config.sequence_parallel else 1
@@ -141,13 +145,18 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     cached = rates.per_stages.get((key, config.pp, config.chunks))
     if cached is not None:
         return cached
-    layer, ends = _layer_and_ends(model, config, job, software, rates)
+    ends = _layer_and_ends(model, config, job, software, rates)[1]
     cuts = stage_layers(model, config)
     costs = []
     for index, cut in enumerate(cuts):
-        n = len(cut)
-        cost = {"F": n * layer.forward, "I": n * layer.input_grad, "W": n * layer.weight_grad}
-        cost |= {"xF": n * layer.exchange_forward, "xB": n * layer.exchange_backward}  # inside F, and B or I
+        cost = dict.fromkeys(("F", "I", "W", "xF", "xB"), 0.0)  # xF, xB: inside F, and B or I
+        for block, n in blocks(model, cut):
+            layer = _layer_and_ends(block, config, job, software, rates)[0]
+            cost["F"] += n * layer.forward
+            cost["I"] += n * layer.input_grad
+            cost["W"] += n * layer.weight_grad
+            cost["xF"] += n * layer.exchange_forward
+            cost["xB"] += n * layer.exchange_backward
         for end, applies in (("first", index == 0), ("last", index == len(cuts) - 1)):
             if applies:
                 for op in ("F", "I", "W"):
@@ -156,6 +165,13 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
         costs.append(cost)
     rates.per_stages[(key, config.pp, config.chunks)] = costs
     return costs
+
+
+def blocks(model: PaperModel, cut: range) -> list[tuple[PaperModel, int]]:
+    """The kinds of block among the layers ``cut`` and how many of each: the model's own, and the dense
+    first blocks of a mixture that has them (as their `PaperModel.dense_twin`)."""
+    dense = model.dense_among(cut)
+    return [(model, len(cut) - dense)] + ([(model.dense_twin(), dense)] if dense else [])
 
 
 def _layer_key(model, config, job, software) -> tuple:
@@ -175,8 +191,11 @@ def _layer_and_ends(model, config, job, software, rates) -> tuple[LayerTime, dic
 def work_floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
     """A cheap floor on the step, with no schedule read: the pipeline's work spread evenly over its
     ranks, plus the optimizer (`pipeline_floor` is tighter and costs more)."""
-    layer, ends = _layer_and_ends(model, config, job, software, rates)
-    work = model.layers * (layer.forward + layer.input_grad + layer.weight_grad)
+    ends = _layer_and_ends(model, config, job, software, rates)[1]
+    work = 0.0
+    for block, n in blocks(model, range(model.layers)):
+        layer = _layer_and_ends(block, config, job, software, rates)[0]
+        work += n * (layer.forward + layer.input_grad + layer.weight_grad)
     work += sum(ends[end][op] for end in ("first", "last") for op in ("F", "I", "W"))
     return config.microbatches * work / config.pp + optimizer_seconds(model, config, rates)
 
@@ -312,9 +331,10 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
 
 def _stage_parameters(model: PaperModel, config: Config, stage: int, cuts) -> float:
     """The parameters of one virtual stage on one tp rank (its layers, and the ends it carries)."""
-    norms = 2 * model.norm_parameters()
-    layer = (model.layer_parameters() - norms) / config.tp + norms
-    total = len(cuts[stage]) * (layer - experts.moved_per_layer(model, config))
+    total = sum(
+        n * (layer_parameters_per_gpu(block, config.tp) - experts.moved_per_layer(block, config))
+        for block, n in blocks(model, cuts[stage])
+    )
     if stage == 0:
         total += model.embedding_parameters() / config.tp
     if stage == len(cuts) - 1:

@@ -99,14 +99,16 @@ def moved_per_layer(model: PaperModel, config: Config) -> float:
 
 
 def split_states(
-    states, model: PaperModel, config: Config, software: Software, parameters: float, layers: int
-):
-    """Weights, gradients and optimizer state of ``parameters`` (``layers`` blocks, as held without ep)
-    on one GPU under ``config.ep``: ``states`` (`cluster_memory`'s rule) applied to the rest as before and
-    to the rank's own experts over the expert-data-parallel group (dp / ep ranks)."""
+    states, model: PaperModel, config: Config, software: Software, parameters: float, layers: int,
+    expert_layers: int | None = None,
+):  # fmt: skip
+    """Weights, gradients and optimizer state of ``parameters`` (``layers`` blocks, ``expert_layers`` of
+    them with experts, all by default; as held without ep) on one GPU under ``config.ep``: ``states``
+    (`cluster_memory`'s rule) applied to the rest as before and to the rank's own experts over the
+    expert-data-parallel group (dp / ep ranks)."""
     if config.ep == 1 or not model.is_moe:
         return states(model, config, software, parameters, layers)
-    routed = layers * routed_parameters(model) / config.tp
+    routed = (layers if expert_layers is None else expert_layers) * routed_parameters(model) / config.tp
     rest = states(model, config, software, parameters - routed, layers)
     own = states(model, replace(config, dp=config.dp // config.ep), software, routed / config.ep, layers)
     return tuple(a + b for a, b in zip(rest, own, strict=True))
@@ -114,7 +116,8 @@ def split_states(
 
 def parameters_per_pipeline(model: PaperModel, config: Config) -> float:
     """The parameters one pipeline's ranks hold together under ep (the whole model without it)."""
-    return model.parameters() - model.layers * moved_per_layer(model, config) * config.tp
+    expert_layers = model.layers - model.dense_among(range(model.layers))
+    return model.parameters() - expert_layers * moved_per_layer(model, config) * config.tp
 
 
 # --- the all-to-all ------------------------------------------------------------------------------------

@@ -19,7 +19,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeclock.plan.calibration import A100_GEMM_EFFICIENCY, GEMM_EFFICIENCY, H100_GEMM_EFFICIENCY
+from pipeclock.plan.calibration import (
+    A100_GEMM_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    H100_FP8_GEMM_EFFICIENCY,
+    H100_GEMM_EFFICIENCY,
+)
 
 GB = 10**9
 GIB = 2**30
@@ -40,6 +45,7 @@ class GpuKind:
     intra_node_bandwidth: float  # bytes/s per GPU, one direction
     inter_node_bandwidth: float  # bytes/s per GPU, one direction
     gemm_efficiency: float = GEMM_EFFICIENCY  # share of the peak large products reach: calibration
+    fp8_gemm_efficiency: float | None = None  # the same of the fp8 peak; None: gemm_efficiency x FP8_SHARE
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of the matrix units in ``dtype`` (fp32: the plain fp32 figure)."""
@@ -52,21 +58,25 @@ class GpuKind:
 
 def _kind(
     name, bf16, fp32, fp8, memory_gb, bandwidth_gb, per_node, link, intra_gb, inter_gbit,
-    efficiency=GEMM_EFFICIENCY,
+    efficiency=GEMM_EFFICIENCY, fp8_efficiency=None,
 ) -> GpuKind:  # fmt: skip
     """A row of the table in the datasheets' units: TFLOP/s, GB, GB/s, and the network in Gb/s."""
     return GpuKind(
         name, bf16 * 1e12, fp32 * 1e12, None if fp8 is None else fp8 * 1e12, round(memory_gb * GIB),
-        bandwidth_gb * GB, per_node, link, intra_gb * GB, inter_gbit * GB / 8, efficiency,
+        bandwidth_gb * GB, per_node, link, intra_gb * GB, inter_gbit * GB / 8, efficiency, fp8_efficiency,
     )  # fmt: skip
 
 
+_H100 = _kind(
+    "H100-80GB", 989.4, 66.9, 1978.9, 80, 3350, 8, "NVLink", 450, 400,
+    H100_GEMM_EFFICIENCY, H100_FP8_GEMM_EFFICIENCY,
+)  # fmt: skip
 KINDS: dict[str, GpuKind] = {
     kind.name: kind
     for kind in (
         _kind("A100-40GB", 312, 19.5, None, 40, 1555, 8, "NVLink", 300, 200, A100_GEMM_EFFICIENCY),
         _kind("A100-80GB", 312, 19.5, None, 80, 2039, 8, "NVLink", 300, 200, A100_GEMM_EFFICIENCY),
-        _kind("H100-80GB", 989.4, 66.9, 1978.9, 80, 3350, 8, "NVLink", 450, 400, H100_GEMM_EFFICIENCY),
+        _H100,
         _kind("H200", 989.4, 66.9, 1978.9, 141, 4800, 8, "NVLink", 450, 400),
         _kind("RTX4090", 165.2, 82.6, 330.3, 24, 1008, 8, "PCIe", 32, 100),
         _kind("L40S", 362.05, 91.6, 733, 48, 864, 8, "PCIe", 32, 200),
@@ -85,7 +95,7 @@ SPEC_FIELDS = {
     "intra_node_gb_s": float,
     "inter_node_gbit_s": float,
 }
-OPTIONAL_SPEC_FIELDS = {"fp8_tflops": float, "gemm_efficiency": float}
+OPTIONAL_SPEC_FIELDS = {"fp8_tflops": float, "gemm_efficiency": float, "fp8_gemm_efficiency": float}
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ def load_spec(path: str | Path) -> GpuKind:
         values["name"], values["bf16_tflops"], values["fp32_tflops"], values.get("fp8_tflops"),
         values["memory_gb"], values["memory_bandwidth_gb_s"], values["gpus_per_node"],
         values["intra_node_link"], values["intra_node_gb_s"], values["inter_node_gbit_s"],
-        values.get("gemm_efficiency", GEMM_EFFICIENCY),
+        values.get("gemm_efficiency", GEMM_EFFICIENCY), values.get("fp8_gemm_efficiency"),
     )  # fmt: skip
 
 

@@ -125,6 +125,7 @@ def paper_model(config, name: str | None = None) -> PaperModel:
         experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
         shared_ffn=expert_parallel.shared_width(config) if experts else 0,
         **(expert_parallel.routing_fields(config) if experts else {}),
+        **(_dense_first(config, hidden) if experts else {}),
         **latent,
     )
 
@@ -153,6 +154,16 @@ def _ffn(config, hidden: int) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 4 * hidden
+
+
+def _dense_first(config, hidden: int) -> dict[str, int]:
+    """A mixture's first blocks that keep a dense MLP (DeepSeek's ``first_k_dense_replace``), of the
+    config's ``intermediate_size``."""
+    first = getattr(config, "first_k_dense_replace", 0)
+    if not isinstance(first, int) or first < 1:
+        return {}
+    layers = _field(config, type(config).__name__, "num_hidden_layers")
+    return {"dense_layers": min(first, layers), "dense_ffn": _ffn(config, hidden)}
 
 
 def _experts(config) -> int:

@@ -4,7 +4,8 @@ A decoder-only transformer is ``layers`` equal blocks between a token embedding 
 
     block   norm -> q, k, v projections -> causal attention -> output projection -> + residual
             norm -> MLP (SwiGLU: gate, up, down; or two matrices and GELU) -> + residual
-            (a mixture of experts: a router and ``experts`` MLPs, ``experts_per_token`` used per token)
+            (a mixture of experts: a router and ``experts`` MLPs, ``experts_per_token`` used per token;
+            its first ``dense_layers`` blocks may keep a dense MLP, as DeepSeek's do)
     head    final norm -> the vocabulary projection (the embedding's matrix when ``tied``)
 
 Grouped-query attention (``kv_heads`` < ``heads``) and the head size are the config's own. A ``kind="mlp"``
@@ -15,6 +16,7 @@ Hugging Face config.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -65,6 +67,10 @@ class PaperModel:
     # node-limited routing: the experts in ``expert_groups`` groups, a token's in ``groups_per_token`` at most
     expert_groups: int = 0
     groups_per_token: int = 0
+    # a mixture's first ``dense_layers`` blocks have a dense MLP of width ``dense_ffn`` (DeepSeek's
+    # ``first_k_dense_replace``): `dense_twin` is such a block's model
+    dense_layers: int = 0
+    dense_ffn: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("transformer", "mlp"):
@@ -91,6 +97,30 @@ class PaperModel:
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    @functools.cache  # noqa: B019
+    def dense_twin(self) -> PaperModel | None:
+        """The model whose every block is this mixture's dense first blocks (attention alike, an MLP of
+        ``dense_ffn``); None when every block is alike."""
+        if not (self.is_moe and self.dense_layers):
+            return None
+        return dataclasses.replace(
+            self, experts=0, experts_per_token=0, shared_ffn=0, expert_groups=0, groups_per_token=0,
+            ffn=self.dense_ffn, dense_layers=0, dense_ffn=0,
+        )  # fmt: skip
+
+    def dense_among(self, layers: range) -> int:
+        """How many of ``layers`` (block indices) are dense first blocks."""
+        if self.dense_twin() is None:
+            return 0
+        return len(range(max(layers.start, 0), min(layers.stop, self.dense_layers)))
+
+    def _blocks_sum(self, per_block) -> float:
+        """``per_block(model)`` summed over the blocks: the dense first ones by their twin."""
+        twin = self.dense_twin()
+        if twin is None:
+            return self.layers * per_block(self)
+        return (self.layers - self.dense_layers) * per_block(self) + self.dense_layers * per_block(twin)
 
     @functools.cache  # noqa: B019 (models are few and frozen; a search asks thousands of times)
     def gemms(self) -> list[Gemm]:
@@ -168,7 +198,8 @@ class PaperModel:
     def parameters(self) -> int:
         """The whole model's parameters, a tied matrix counted once."""
         tied = self.vocab * self.hidden if self.tied else 0
-        total = self.layers * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
+        blocks = self._blocks_sum(PaperModel.layer_parameters)
+        total = blocks + self.embedding_parameters() + self.head_parameters()
         return total - tied
 
     # --- FLOPs ---------------------------------------------------------------------------------------
@@ -192,7 +223,7 @@ class PaperModel:
         """The FLOPs that MFU counts per token of training: 6 x the matrix parameters a token uses (the
         head included, the embedding's lookup not) + 12 x layers x q_dim x seq_len for attention (the
         whole square, as PaLM, Megatron-LM and torchtitan count it), recompute never counted."""
-        matrices = self.layers * self.layer_gemm_flops() / 2 + self.head_gemm_flops() / 2
+        matrices = self._blocks_sum(PaperModel.layer_gemm_flops) / 2 + self.head_gemm_flops() / 2
         attention = 12.0 * self.layers * self.q_dim * seq_len if self.kind == "transformer" else 0.0
         return 6.0 * matrices + attention
 

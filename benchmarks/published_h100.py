@@ -1,0 +1,135 @@
+"""Published H100 runs of Meta and NVIDIA, as rows of `benchmarks.cluster_check`'s table.
+
+Sources, every figure quoted as printed:
+
+- Meta, "The Llama 3 Herd of Models" (arXiv 2407.21783v3), §3.3 and Table 4: Llama 3 405B on 8,192 and
+  16,384 H100 SXMs (700 W, 80 GB HBM3, 8 a server on NVLink, 400 Gb/s RoCE), bf16, tp 8 x pp 16 x dp 64
+  (32 sequences of 8,192 tokens per dp rank) and x dp 128 (16 per rank), the interleaved schedule, FSDP
+  sharding the optimizer and gradients, "sequences of 8K tokens without activation checkpointing";
+  TFLOP/s per GPU 430 and 400 (BF16 MFU 43 % and 41 %, MFU as PaLM counts it: the whole attention square,
+  as `PaperModel.model_flops_per_token`). Table 4's third row (cp 16, 131,072 tokens) is listed, not
+  predicted: context parallel is not modelled.
+- NVIDIA NeMo, ``docs/source/performance/performance_summary.md`` (NVIDIA/NeMo, its last version, commit
+  8e3d65dc "24.07 perf numbers", 2024-09-09): pre-training at FP8 on DGX-H100 with the NeMo 24.07
+  container (Megatron-Core, Transformer Engine), GBS, MBS, sequence, TP, PP, CP and VP per row,
+  tokens/s per GPU. The models are NeMo's own configs at that commit
+  (``nemo/collections/llm/gpt/model/base.py``: GPT-3 5B, 20B, 175B with learned positions, LayerNorm,
+  GELU, biases and tied embeddings; ``llama.py``: Llama 2 7B, 13B, 70B), the vocabulary padded as
+  Megatron pads it (to a multiple of 128 x tp: GPT-2's 50,257 tokens, Llama 2's 32,000). Its Nemotron rows
+  (squared-ReLU Nemotron, a family the planner does not read) and its Llama 3 rows (cp 2) are left out.
+- NVIDIA Megatron-Bridge, ``docs/performance-summary-archive.md`` (NVIDIA-NeMo/Megatron-Bridge, read at
+  commit 067f987d, 2026-08-22): DGX-H100 pre-training of Llama 3 8B and 70B (docs/cluster's Llama 3.1
+  configs: the same shapes) in FP8 with current scaling, containers 25.11 and 26.04, with FSDP, TP, PP,
+  CP, VP, GBS, MBS per row and tokens/s per GPU. Its Llama 3.1 405B H100 rows use cp 2 and are left out,
+  as are its mixtures (GPT-OSS, Qwen3 MoE: families or token balancing the planner does not model).
+
+What a source does not state (recompute and ZeRO stage of NeMo's runs, sequence parallel, the micro-batch
+of Meta's runs and the chunks of its interleaving) is left to the search. Overlapping tensor parallel's
+collectives is stated in no table: NVIDIA's runs are taken as overlapped (Megatron-Core's
+``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g. Megatron-Bridge's
+``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with ``--tp-overlap`` the
+planner reads them 3 % and 1 % faster).
+"""
+
+from __future__ import annotations
+
+META = "Meta, Llama 3 Table 4"
+NEMO = "NeMo 24.07 FP8"
+BRIDGE = "Megatron-Bridge FP8"
+
+# (GPUs, tp, pp, dp, sequences per dp rank, TFLOP/s per GPU, role)
+META_ROWS = [
+    (8192, 8, 16, 64, 32, 430, "check"),
+    (16384, 8, 16, 128, 16, 400, "check"),
+]
+META_SEQ = 8192
+# (model, GPUs, GBS, MBS, sequence, tp, pp, vp, tokens/s per GPU, role); all cp 1
+NEMO_ROWS = [
+    ("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 23406, "check"),
+    ("GPT3-20B", 64, 256, 2, 2048, 2, 1, 1, 5851, "check"),
+    ("GPT3-175B", 128, 256, 1, 2048, 4, 8, 6, 716, "fit"),
+    ("GPT3-175B", 512, 2048, 2, 2048, 4, 8, 6, 825, "check"),
+    ("LLAMA2-7B", 8, 128, 1, 4096, 1, 1, 1, 16934, "check"),
+    ("LLAMA2-13B", 16, 128, 1, 4096, 1, 4, 10, 8715, "check"),
+    ("LLAMA2-70B", 64, 128, 1, 4096, 4, 4, 20, 1728, "fit"),
+]
+# (container, Llama 3 size, GPUs, GBS, MBS, FSDP, tp, pp, vp, tokens/s per GPU, role); sequences of 8,192
+BRIDGE_ROWS = [
+    ("25.11", "8b", 8, 128, 1, 8, 1, 1, 1, 14451, "check"),
+    ("25.11", "70b", 64, 128, 1, 0, 4, 8, 5, 1602, "check"),
+    ("26.04", "70b", 64, 256, 1, 0, 4, 8, 5, 1633, "check"),
+]
+BRIDGE_SEQ = 8192
+# NeMo's configs: (layers, hidden, ffn, heads, kv heads)
+SHAPES = {
+    "GPT3-5B": (24, 4096, 16384, 32, 32),
+    "GPT3-20B": (44, 6144, 24576, 48, 48),
+    "GPT3-175B": (96, 12288, 49152, 96, 96),
+    "LLAMA2-7B": (32, 4096, 11008, 32, 32),
+    "LLAMA2-13B": (40, 5120, 13824, 40, 40),
+    "LLAMA2-70B": (80, 8192, 28672, 64, 8),
+}
+GPT2_VOCAB, LLAMA2_VOCAB = 50257, 32000
+# listed, not predicted: (source, run, tokens/s per GPU or None, TFLOP/s per GPU)
+NOT_MODELLED = [
+    (META, "Llama 3 405B, 16,384 GPUs, tp 8, cp 16, pp 16, seq 131,072", None, 380),
+    (NEMO, "LLAMA3-8B, 8 GPUs, cp 2, seq 8192", 12273, 711),
+    (NEMO, "LLAMA3-70B, 64 GPUs, tp 4, pp 4, cp 2, vp 5, seq 8192", 1524, 734),
+]
+
+
+def rows() -> list:
+    """The rows above as `cluster_check.Row`s."""
+    from benchmarks.cluster_check import CONFIGS, Row
+    from pipeclock.cli.plan_cluster import parse_fix
+    from pipeclock.plan.cluster_config import Job, Software
+    from pipeclock.plan.gpus import KINDS, Cluster
+    from pipeclock.plan.hf_paper import paper_model, read_config
+
+    h100 = KINDS["H100-80GB"]
+    result = []
+    llama = paper_model(read_config(CONFIGS / "llama-3.1-405b.json"), "Llama 3 405B")
+    for gpus, tp, pp, dp, per_rank, tflops, role in META_ROWS:
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},zero=3,recompute=none,schedule=interleaved-1f1b")
+        result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
+                          Job(dp * per_rank, META_SEQ), Software("bf16", True, False), fixed, None, tflops,
+                          None, role))  # fmt: skip
+    for name, gpus, batch, mbs, seq, tp, pp, vp, tokens, role in NEMO_ROWS:
+        schedule = ",schedule=1f1b" if pp > 1 else ""
+        schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else schedule
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{schedule}")
+        result.append(Row(NEMO, f"{name}, {gpus} GPUs", nemo_model(name, tp, seq), Cluster(gpus, h100),
+                          Job(batch, seq), Software("fp8", True, True), fixed, tokens, None, None,
+                          role))  # fmt: skip
+    for container, size, gpus, batch, mbs, fsdp, tp, pp, vp, tokens, role in BRIDGE_ROWS:
+        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3 {size.upper()}")
+        schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else ""
+        zero = ",zero=3" if fsdp else ""
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{zero}{schedule}")
+        result.append(Row(BRIDGE, f"Llama 3 {size.upper()}, {gpus} GPUs, GBS {batch} ({container})", model,
+                          Cluster(gpus, h100), Job(batch, BRIDGE_SEQ), Software("fp8", True, True), fixed,
+                          tokens, None, None, role))  # fmt: skip
+    return result
+
+
+def nemo_model(name: str, tp: int, seq: int):
+    """NeMo's config of ``name`` as a `PaperModel`, its vocabulary padded for ``tp``."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from pipeclock.plan.hf_paper import paper_model
+
+    layers, hidden, ffn, heads, kv_heads = SHAPES[name]
+    if name.startswith("GPT3"):
+        config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=seq,
+                            vocab_size=padded(GPT2_VOCAB, tp), tie_word_embeddings=True)  # fmt: skip
+    else:
+        config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, intermediate_size=ffn,
+                             vocab_size=padded(LLAMA2_VOCAB, tp), tie_word_embeddings=False)  # fmt: skip
+    return paper_model(config, name)
+
+
+def padded(vocab: int, tp: int) -> int:
+    """Megatron's padding: the vocabulary up to a multiple of 128 x tp."""
+    step = 128 * tp
+    return -(-vocab // step) * step
