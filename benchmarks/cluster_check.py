@@ -27,6 +27,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks import published_zero3
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
@@ -253,7 +254,7 @@ def rows() -> list[Row]:
         result.append(Row(MEGATRON, f"GPT {size}", model, Cluster(gpus, KINDS["H100-80GB"]),
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
-    return result
+    return result + published_zero3.rows(Row)
 
 
 def megatron_gpt(size: str, heads: int, hidden: int, layers: int):
