@@ -156,6 +156,8 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xA100-80GB", "--params", "1e9", "--dtype", "fp8"], "A100-80GB has no fp8 tensor"),
         (["--params", "1e9", "--fix", "tp=2"], "--fix plans a cluster on paper: give --cluster NxKIND too"),
         (["--params", "1e9", "--gradients", "bf16+fp32"], "--gradients plans a cluster on paper"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--gradients", "fp16"],
+         "argument --gradients: invalid choice: 'fp16' (choose from 'fp32', 'bf16+fp32')"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],
