@@ -9,7 +9,7 @@ from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_time import step_time
 from pipeclock.plan.gpus import KINDS
 from pipeclock.plan.paper_model import PaperModel
-from pipeclock.plan.zero3_time import Unit, backward_exposed, forward_exposed, microbatch_exposed
+from pipeclock.plan.zero3_time import Unit, backward_exposed, forward_exposed, microbatch_exposed, units
 
 MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
                    vocab=32000)  # fmt: skip
@@ -57,3 +57,11 @@ def test_the_exposed_gathers_shrink_with_more_compute_per_block():
 
 def test_every_microbatch_gathers_and_reduces_again():
     assert dp_exposed(64, microbatches=4) == pytest.approx(4 * dp_exposed(64, microbatches=1))
+
+
+def test_the_root_is_gathered_with_the_first_block_and_with_the_last_block_kept_for_the_backward():
+    # embedding 10, a block 1, head 10 parameters; a parameter gathers in 0.1 s and reduces in 0.2 s
+    built = units(4, (1.0, 2.0), (0.0, 0.0, 0.0, 0.0), (10.0, 1.0, 10.0), (0.1, 0.2), 0.0)
+    assert built[0].gather == pytest.approx(2.1) and built[0].reduce == pytest.approx(4.2)
+    assert built[0].backward_gather == pytest.approx(0.1)  # the block again, not the root
+    assert built[-1].backward_gather == 0.0 and built[-1].reduce == pytest.approx(0.2)

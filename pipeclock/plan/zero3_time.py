@@ -12,8 +12,12 @@ unless the run turns gradient sync off, which this module does not model. The co
 data-parallel link, one after another in the order they are issued; a pass ends when its compute and its
 last collective are both done (the optimizer needs the gradients).
 
-A unit is a block, the first also carrying the embedding and the last the head and loss (their own FSDP
-units in torchtitan, gathered back to back with the neighbouring block).
+A unit is a block, the first also carrying the embedding and the last the head and loss. The embedding
+and the head belong to the root module, which FSDP2 does not reshard after the forward ("we usually set
+False for the root module, because the root module is typically required immediately when the backward
+pass begins": ``fully_shard``'s docs), and torchtitan keeps the last block unsharded too: the forward
+gathers the root with the first block, the backward gathers neither the root nor the last block again,
+and the root's gradients are reduce-scattered last, once its embedding's backward is done.
 """
 
 from __future__ import annotations
@@ -25,12 +29,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Unit:
     """One FSDP unit for one micro-batch on one GPU, in seconds: its forward and its backward compute
-    (recompute included), its parameters' all-gather and its gradients' reduce-scatter."""
+    (recompute included), its parameters' all-gather before the forward and again before the backward,
+    and its gradients' reduce-scatter."""
 
     forward: float
     backward: float
     gather: float
     reduce: float
+    regather: float | None = None  # None: the same as ``gather``
+
+    @property
+    def backward_gather(self) -> float:
+        return self.gather if self.regather is None else self.regather
 
 
 def forward_exposed(units: Sequence[Unit]) -> float:
@@ -50,12 +60,12 @@ def backward_exposed(units: Sequence[Unit]) -> float:
     """Seconds the backward pass over ``units`` (taken last to first) waits for gathers and for its
     reduce-scatters to finish, beyond its compute."""
     order = list(reversed(units))
-    link = order[0].gather
+    link = order[0].backward_gather
     ready, clock = link, 0.0
     for index, unit in enumerate(order):
         start = max(clock, ready)
         if index + 1 < len(order):
-            link = max(link, start) + order[index + 1].gather
+            link = max(link, start) + order[index + 1].backward_gather
             ready = link
         clock = start + unit.backward
         link = max(link, clock) + unit.reduce  # its gradients leave once its backward is done
@@ -70,19 +80,23 @@ def microbatch_exposed(units: Sequence[Unit]) -> float:
 def units(layers: int, layer: tuple[float, float], ends: tuple[float, float, float, float],
           parameters: tuple[float, float, float], per_parameter: tuple[float, float],
           latency: float) -> list[Unit]:  # fmt: skip
-    """The units of a one-stage model of ``layers`` blocks: ``layer`` is a block's (forward, backward)
-    seconds, ``ends`` the embedding's (forward, backward) then the head's, ``parameters`` the parameters a
-    GPU gathers for the embedding, for a block and for the head; a parameter's gather and reduce-scatter
-    cost ``per_parameter`` seconds, and each collective ``latency`` more."""
+    """The units of a one-stage model of ``layers`` blocks (the module's rules): ``layer`` is a block's
+    (forward, backward) seconds, ``ends`` the embedding's (forward, backward) then the head's,
+    ``parameters`` the parameters a GPU gathers for the embedding, for a block and for the head; a
+    parameter's gather and reduce-scatter cost ``per_parameter`` seconds, and each collective ``latency``
+    more."""
     first_f, first_b, last_f, last_b = ends
     embedding, block, head = parameters
+    gather_each, reduce_each = per_parameter
     result = []
     for index in range(layers):
-        forward, backward, held = layer[0], layer[1], block
-        if index == 0:
-            forward, backward, held = forward + first_f, backward + first_b, held + embedding
-        if index == layers - 1:
-            forward, backward, held = forward + last_f, backward + last_b, held + head
-        gather, reduce = (held * seconds + latency for seconds in per_parameter)
-        result.append(Unit(forward, backward, gather, reduce))
+        forward, backward, held, again = layer[0], layer[1], block, block
+        if index == 0:  # the root (embedding and head) is gathered with it, and reduced after it
+            forward, backward, held = forward + first_f, backward + first_b, held + embedding + head
+        if index == layers - 1:  # kept from its forward to its backward, the root with it
+            forward, backward, again = forward + last_f, backward + last_b, 0.0
+        result.append(Unit(
+            forward, backward, held * gather_each + latency, held * reduce_each + latency,
+            again * gather_each + (latency if again else 0.0),
+        ))  # fmt: skip
     return result
