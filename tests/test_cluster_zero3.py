@@ -65,3 +65,13 @@ def test_the_root_is_gathered_with_the_first_block_and_with_the_last_block_kept_
     assert built[0].gather == pytest.approx(2.1) and built[0].reduce == pytest.approx(4.2)
     assert built[0].backward_gather == pytest.approx(0.1)  # the block again, not the root
     assert built[-1].backward_gather == 0.0 and built[-1].reduce == pytest.approx(0.2)
+
+
+def test_fsdp_holds_two_blocks_and_its_root_gathered():
+    from pipeclock.plan.cluster_memory import gpu_memory
+
+    config = Config(tp=1, pp=1, dp=64, schedule="1f1b", chunks=1, microbatch_size=1, microbatches=1,
+                    recompute="none", zero=3, sequence_parallel=False)  # fmt: skip
+    memory = gpu_memory(MODEL, config, Job(64, 2048), Software("bf16"))
+    root = MODEL.embedding_parameters() + MODEL.head_parameters()
+    assert memory.weights == pytest.approx(2 * (2 * MODEL.layer_parameters() + root))

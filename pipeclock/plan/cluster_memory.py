@@ -144,6 +144,9 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     if last and not (first and model.tied):
         parameters += model.head_parameters() / config.tp
     weights, gradients, optimizer = experts.split_states(_states, model, config, software, parameters, layers)
+    if config.zero == 3 and config.pp == 1:  # FSDP2 keeps its root (embedding, head) gathered from the
+        # forward to the backward (`zero3_time`)
+        weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
@@ -160,6 +163,12 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens
     return GpuMemory(weights, gradients, optimizer, kept, working)
+
+
+def _root_parameters(model: PaperModel, tp: int) -> float:
+    """The embedding's and the head's parameters on one tp rank (a tied matrix once)."""
+    head = model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)
+    return (model.embedding_parameters() + head) / tp
 
 
 def _layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:
