@@ -30,7 +30,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks import published_a100, published_h100
+from benchmarks import published_a100, published_h100, published_zero3
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
@@ -257,7 +257,7 @@ def rows() -> list[Row]:
         result.append(Row(MEGATRON, f"GPT {size}", model, Cluster(gpus, KINDS["H100-80GB"]),
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
-    return result + a100_rows() + published_h100.rows()
+    return result + a100_rows() + published_h100.rows() + published_zero3.rows(Row)
 
 
 def a100_rows() -> list[Row]:
@@ -266,7 +266,8 @@ def a100_rows() -> list[Row]:
 
     result = []
     for run in published_a100.runs():
-        software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention)
+        software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention,
+                            gradients=run.gradients)  # fmt: skip
         cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
         model, fixed = published_a100.paper(run), parse_fix(run.fix)
         result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,

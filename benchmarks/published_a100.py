@@ -68,6 +68,7 @@ class PublishedRun:
     memory_gib: float | None
     role: str  # "fit" or "check"
     attention: str = "materialized"  # every run here predates flash-style kernels in its framework
+    gradients: str = "fp32"  # what the framework keeps of a gradient (`cluster_config.GRADIENTS`)
 
 
 def narayanan_tokens_per_gpu(tflops: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
@@ -161,7 +162,8 @@ def _bloom() -> PublishedRun:
     fix = "tp=4,pp=12,dp=8,microbatch-size=2,recompute=full,zero=1,sp=off,schedule=1f1b"
     model = ("bloom", 112, 14336, 70, 250880)
     return PublishedRun(BLOOM, "tp 4 x pp 12 x dp 8", model, gpus, "A100-80GB", batch, seq, fix,
-                        batch * seq / seconds / gpus, 60.0, "check")  # fmt: skip
+                        batch * seq / seconds / gpus, 60.0, "check",
+                        gradients="bf16+fp32")  # DeepSpeed's BF16_Optimizer  # fmt: skip
 
 
 def _mt_nlg() -> list[PublishedRun]:

@@ -20,7 +20,14 @@ from pipeclock.cli.search_progress import SearchProgress
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
-from pipeclock.plan.cluster_config import RECOMPUTES, RETIRED_RECOMPUTES, ZERO_STAGES, Job, Software
+from pipeclock.plan.cluster_config import (
+    GRADIENTS,
+    RECOMPUTES,
+    RETIRED_RECOMPUTES,
+    ZERO_STAGES,
+    Job,
+    Software,
+)
 from pipeclock.plan.gpus import Cluster, load_spec, parse_cluster
 from pipeclock.plan.hf_paper import max_positions, paper_model, read_config
 from pipeclock.plan.paper_model import PaperModel, gpt_model, mlp_model
@@ -58,13 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp-overlap", action="store_true",
         help="--cluster: tensor parallel's collectives overlapped with the products (AsyncTP)",
     )  # fmt: skip
+    group.add_argument(
+        "--gradients", choices=list(GRADIENTS), default=None,
+        help="--cluster: what the framework keeps of each gradient: fp32 (Megatron-LM, FSDP; the default), "
+        "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
+    )  # fmt: skip
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
     """The cluster's own options mean nothing to the measured planner: one line says so."""
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
-                          ("--tp-overlap", args.tp_overlap)):  # fmt: skip
+                          ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients)):  # fmt: skip
         if given:
             raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
 
@@ -75,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, spec)
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
-    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap)
+    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32")
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

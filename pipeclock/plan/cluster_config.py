@@ -18,6 +18,10 @@ RETIRED_RECOMPUTES = {
 ZERO_STAGES = (0, 1, 2, 3)
 ATTENTION_KERNELS = ("flash", "materialized")  # see pipeclock.plan.attention_core
 DTYPES = ("fp32", "bf16", "fp8")
+# What the framework keeps of a parameter's gradient through the step, in mixed precision: fp32 alone
+# (Megatron-LM's main_grad, FSDP's sharded gradient), or the bf16 gradient autograd writes beside an fp32
+# accumulation buffer (DeepSpeed's BF16_Optimizer, which keeps the bf16 ones between micro-batches).
+GRADIENTS = {"fp32": 4, "bf16+fp32": 6}
 ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}
 
 
@@ -30,12 +34,14 @@ class Software:
     or a framework's fused kernels), else run one by one as eager PyTorch runs them. ``tp_overlap``: tensor
     parallel's collectives overlapped with the matrix products (torchtitan's AsyncTP, Megatron-LM's
     ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them. ``attention``: a flash-style
-    kernel, or the score matrix materialized as runs before 2023 did (`pipeclock.plan.attention_core`)."""
+    kernel, or the score matrix materialized as runs before 2023 did (`pipeclock.plan.attention_core`).
+    ``gradients``: what the framework keeps of each gradient (`GRADIENTS`)."""
 
     dtype: str = "bf16"
     fused: bool = False
     tp_overlap: bool = False
     attention: str = "flash"
+    gradients: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -43,6 +49,8 @@ class Software:
         if self.attention not in ATTENTION_KERNELS:
             kernels = " or ".join(ATTENTION_KERNELS)
             raise ValueError(f"unknown attention kernel {self.attention!r}: use {kernels}")
+        if self.gradients not in GRADIENTS:
+            raise ValueError(f"unknown gradients {self.gradients!r}: use {' or '.join(GRADIENTS)}")
 
     @property
     def activation_bytes(self) -> int:

@@ -3,7 +3,8 @@
 - weights: fp32 masters, plus (bf16, fp8) the compute copy the forwards use; ZeRO-3 keeps 1/dp of the
   masters and gathers the compute copy of the layers it runs (two at a time: this one and the next; a
   pipeline stage keeps its whole stage gathered through the step, as torchtitan does under PP);
-- gradients (fp32) and Adam's two moments (fp32), each 1/dp where the ZeRO stage shards them;
+- gradients (fp32) and Adam's two moments (fp32), each 1/dp where the ZeRO stage shards them; under
+  DeepSpeed's BF16_Optimizer (``Software.gradients``) the bf16 gradients too, whole (ZeRO 0-2);
 - activations: the micro-batches each rank holds at once under its schedule (read off the schedule's
   own order of actions: from a micro-batch's F until its last backward), times what a micro-batch keeps
   on the rank's stages (`pipeclock.plan.activations`); the head's on the rank holding the last stage;
@@ -25,7 +26,7 @@ from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import generate
 from pipeclock.models.partition import partition
 from pipeclock.plan import activations, calibration, experts
-from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_config import GRADIENTS, Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel
 
 MASTER_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
@@ -147,6 +148,9 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     weights, gradients, optimizer = experts.split_states(
         _states, model, config, software, parameters, layers, layers - dense
     )
+    if config.zero == 3 and config.pp == 1:  # FSDP2 keeps its root (embedding, head) gathered from the
+        # forward to the backward (`zero3_time`)
+        weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
@@ -163,6 +167,12 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens
     return GpuMemory(weights, gradients, optimizer, kept, working)
+
+
+def _root_parameters(model: PaperModel, tp: int) -> float:
+    """The embedding's and the head's parameters on one tp rank (a tied matrix once)."""
+    head = model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)
+    return (model.embedding_parameters() + head) / tp
 
 
 def layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:
@@ -190,6 +200,8 @@ def _states(model, config, software, parameters: float, layers: int) -> tuple[fl
         weights = parameters * compute
     sharded_gradients = zero == 2 or (zero == 3 and config.pp == 1)
     gradients = parameters * GRADIENT_BYTES / (dp if sharded_gradients else 1)
+    if mixed and zero < 3:  # the bf16 gradients a framework keeps beside its fp32 ones, whole
+        gradients += parameters * (GRADIENTS[software.gradients] - GRADIENT_BYTES)
     optimizer = parameters * state / (dp if zero >= 1 else 1)
     return weights, gradients, optimizer
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeclock.plan import activations, attention_core, calibration, experts
+from pipeclock.plan import activations, attention_core, calibration, experts, zero3_time
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import layer_parameters_per_gpu, placement_for, stage_layers
 from pipeclock.plan.gpus import GpuKind
@@ -162,6 +162,9 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
                 for op in ("F", "I", "W"):
                     cost[op] += ends[end][op]
         cost["B"] = cost["I"] + cost["W"]
+        if len(cuts) == 1:  # ZeRO-3 on one stage times its block-by-block collectives (`zero3_time`)
+            cost["block"] = (layer.forward, layer.input_grad + layer.weight_grad)
+            cost["ends"] = tuple(ends[end][op] for end in ("first", "last") for op in ("F", "B"))
         costs.append(cost)
     rates.per_stages[(key, config.pp, config.chunks)] = costs
     return costs
@@ -203,7 +206,7 @@ def work_floor(model, config: Config, job: Job, software: Software, rates: Rates
 def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]:
     """The embedding's and the head's (with the loss) costs for one micro-batch."""
     if model.kind == "mlp":
-        nothing = {"F": 0.0, "I": 0.0, "W": 0.0}
+        nothing = {"F": 0.0, "I": 0.0, "W": 0.0, "B": 0.0}
         return {"first": nothing, "last": nothing}
     tp, a, h, vocab = config.tp, rates.a, model.hidden, model.vocab
     collective = _tp_collective(model, config, tokens, software, rates)
@@ -213,6 +216,8 @@ def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]
     product = 2.0 * tokens * h * vocab / tp / rates.gemm + moved / rates.memory
     loss = tokens * vocab / tp * (a + 12) / rates.memory
     last = {"F": product + loss + collective, "I": product + 2 * loss + collective, "W": product}
+    for end in (first, last):
+        end["B"] = end["I"] + end["W"]
     return {"first": first, "last": last}
 
 
@@ -307,10 +312,16 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     stage_parameters = rates.stage_parameters[shape]
     gradients = [sync * n * 4 / link + calibration.COLLECTIVE_LATENCY for n in stage_parameters]
     weights = [share * n * weight_bytes / link if config.zero >= 1 else 0.0 for n in stage_parameters]
-    if config.zero == 3 and config.pp == 1:
-        cost = costs[0]
-        per_microbatch = max(0.0, weights[0] - cost["F"]) + max(0.0, weights[0] + gradients[0] - cost["B"])
-        return config.microbatches * per_microbatch
+    if config.zero == 3 and config.pp == 1:  # each block's gathers and reduce-scatter, as FSDP2 runs them
+        blocks = zero3_time.units(
+            model.layers,
+            costs[0]["block"],
+            costs[0]["ends"],
+            _unit_parameters(model, config),
+            (share * weight_bytes / link, sync * 4 / link),
+            calibration.COLLECTIVE_LATENCY,
+        )
+        return config.microbatches * zero3_time.microbatch_exposed(blocks)
     if config.zero == 2 and config.microbatches > 1:  # each micro-batch's gradients leave as they come
         return config.microbatches * max(max(0.0, g - c["B"]) for g, c in zip(gradients, costs, strict=True))
     layers = [max(1, len(cut)) for cut in cuts]
@@ -327,6 +338,14 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
             needed = first * unit + costs[stage]["F"] * (1 - 1 / layers[stage])
             delay = max(delay, gathered - needed)
     return end - run.makespan * unit + delay
+
+
+def _unit_parameters(model: PaperModel, config: Config) -> tuple[float, float, float]:
+    """The parameters one tp rank gathers for the embedding, for a block and for the head."""
+    norms = 2 * model.norm_parameters()
+    block = (model.layer_parameters() - norms) / config.tp + norms - experts.moved_per_layer(model, config)
+    head = model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)  # tied: gathered
+    return model.embedding_parameters() / config.tp, block, head / config.tp
 
 
 def _stage_parameters(model: PaperModel, config: Config, stage: int, cuts) -> float:
