@@ -68,12 +68,12 @@ def _model(which: str):
 
 def search_once(which: str, gpus: int, kind: str, batch: int, seq: int, fixed: dict) -> dict:
     """One search from empty caches, the model read as ``plan`` reads it (config file included)."""
-    from pipeclock.plan import cluster_memory, pipeline_time
+    from pipeclock.plan import cluster_memory, pipeline_replay, pipeline_time
     from pipeclock.plan.cluster_config import Job, Software
     from pipeclock.plan.gpus import KINDS, Cluster
     from pipeclock.plan.search import search
 
-    for cached in (pipeline_time.simulated, pipeline_time._program, cluster_memory.held_microbatches,
+    for cached in (pipeline_time.simulated, pipeline_replay.compiled, cluster_memory.held_microbatches,
                    cluster_memory._held, cluster_memory.placement_for):  # fmt: skip
         cached.cache_clear()
     found = search(_model(which), Cluster(gpus, KINDS[kind]), Job(batch, seq), Software("bf16"), fixed,

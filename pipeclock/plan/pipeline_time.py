@@ -16,6 +16,7 @@ from pipeclock.engine.program_run import simulate_program
 from pipeclock.observe.simulate import simulate
 from pipeclock.plan.cluster_config import Config
 from pipeclock.plan.cluster_memory import placement_for
+from pipeclock.plan.pipeline_replay import compiled, replay
 
 
 def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
@@ -107,7 +108,14 @@ class Simulated:
 def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
     """The schedule's program simulated with per-stage ``costs`` (F, B, I, W, and the all-to-alls inside
     F and inside B or I) and each message costing ``transfer``, in the costs' unit; cached: a search asks
-    for the same ones often. Without all-to-alls the lowered program is run directly (the fast path)."""
+    for the same ones often. `pipeclock.plan.pipeline_replay` runs the engine simulator's rules on the
+    program compiled once per shape (`engine_simulated` is the engine's own run, which it equals)."""
+    run = replay(compiled(schedule, pp, microbatches, chunks), costs, transfer)
+    return Simulated(run.makespan, run.bubble, run.moments)
+
+
+def engine_simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
+    """`simulated` by the engine's own simulator on the lowered program: the reference it is held to."""
     if any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs):
         return _simulated_exchanging(schedule, pp, microbatches, chunks, costs, transfer)
     programs, stages = _program(schedule, pp, microbatches, chunks)
@@ -138,7 +146,7 @@ def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tup
 
 
 def _simulated_exchanging(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer):
-    """`simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
+    """`engine_simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
     action (``observe.simulate``'s ``exchange``)."""
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)
