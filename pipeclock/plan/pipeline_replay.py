@@ -67,99 +67,93 @@ def compiled(schedule: str, pp: int, microbatches: int, chunks: int) -> Compiled
 
 def compile_table(rows, placement) -> Compiled:
     """Compile ``rows`` (each rank's actions) on ``placement`` (see `Compiled`)."""
-    shape = _Shape()
-    for rank, actions in enumerate(rows):
-        shape.add_rank(rank, actions, placement)
-    none = len(shape.stage)
-    queues = [
-        [
-            (action, previous, *shape.inputs(action, none))
-            for previous, action in zip((none, *mine), mine, strict=False)
-        ]
-        for mine in shape.by_rank
-    ]
-    charges = sorted(set(shape.charge))
+    shape = _numbered(rows, placement)
+    none = len(shape["stage"])
+    charges = sorted(set(shape["charge"]))
     position = {key: n for n, key in enumerate(charges)}
     return Compiled(
         ranks=len(rows),
         none=none,
-        order=_topological(queues, none),
-        duration_of=tuple(position[key] for key in shape.charge),
+        order=_topological(_waits(shape, none), none),
+        duration_of=tuple(position[key] for key in shape["charge"]),
         charges=tuple(charges),
-        by_rank=tuple(tuple(mine) for mine in shape.by_rank),
-        stage_of=tuple(shape.stage),
-        op_of=tuple(shape.op),
+        by_rank=tuple(tuple(mine) for mine in shape["by_rank"]),
+        stage_of=tuple(shape["stage"]),
+        op_of=tuple(shape["op"]),
     )
 
 
-class _Shape:
-    """The compute actions of every rank, numbered across ranks, with what the lowering decides: the
-    groups (an action, or an overlapped pair) and where each output is computed."""
-
-    def __init__(self) -> None:
-        self.stage: list[int] = []
-        self.op: list[int] = []
-        self.microbatch: list[int] = []
-        self.rank: list[int] = []
-        self.group_end: list[int] = []  # the last action of its group: its sends leave after it
-        self.before_group: list[int] = []  # the rank's compute before its group: receives posted then
-        self.charge: list[tuple[int, int, int, int, int]] = []
-        self.by_rank: list[list[int]] = []
-        self.where: dict[tuple[int, int, int], int] = {}  # (F or B, stage, micro-batch) -> action
-        self.backward_stages: set[int] = set()
-
-    def add_rank(self, rank: int, actions, placement) -> None:
-        mine, index, previous = [], 0, -1
-        while index < len(actions):
-            size = 2 if actions[index].overlap and index + 1 < len(actions) else 1
-            first = len(self.stage)
+def _numbered(rows, placement) -> dict:
+    """Every rank's compute actions numbered across ranks, with what the lowering decides for each:
+    its group (an action, or an overlapped pair: sends leave after the group's last, receives are
+    posted after the rank's compute before it), how its duration is charged, where outputs come from."""
+    stage, op, microbatch, rank_of, group_end, before, charge, by_rank = ([] for _ in range(8))
+    made: dict[tuple[int, int, int], int] = {}  # (0: F, 1: B or I, stage, micro-batch) -> action
+    for rank, actions in enumerate(rows):
+        stages, mine, previous, index, count = placement.stages[rank], [], -1, 0, len(actions)
+        while index < count:
+            size = 2 if actions[index].overlap and index + 1 < count else 1
+            first = len(stage)
             for action in actions[index : index + size]:
-                number, stage, op = len(self.stage), placement.stage(rank, action.chunk), OPS[action.op]
-                self.stage.append(stage)
-                self.op.append(op)
-                self.microbatch.append(action.microbatch)
-                self.rank.append(rank)
-                self.group_end.append(first + size - 1)
-                self.before_group.append(previous)
-                if op != 3:  # an I gives what a B gives: the input's gradient
-                    self.where.setdefault((min(op, 1), stage, action.microbatch), number)
-                if op in (1, 2):
-                    self.backward_stages.add(stage)
+                number, where, kind = len(stage), stages[action.chunk], OPS[action.op]
+                stage.append(where)
+                op.append(kind)
+                microbatch.append(action.microbatch)
+                rank_of.append(rank)
+                group_end.append(first + size - 1)
+                before.append(previous)
                 mine.append(number)
-            self._charge(list(range(first, first + size)))
+                if kind != 3:  # an I gives what a B gives: the input's gradient
+                    made.setdefault((min(kind, 1), where, action.microbatch), number)
+            if size == 2 and op[first] == 0 and op[first + 1] in (1, 2):
+                charge.append((PAIR_FORWARD, stage[first], 0, stage[first + 1], op[first + 1]))
+                charge.append((PAIR_BACKWARD, stage[first + 1], op[first + 1], stage[first], 0))
+            else:
+                charge.extend((LONE, stage[n], op[n], 0, 0) for n in range(first, first + size))
             previous = first + size - 1
             index += size
-        self.by_rank.append(mine)
+        by_rank.append(mine)
+    backward_stages = {key[1] for key in made if key[0] == 1}
+    return {"stage": stage, "op": op, "microbatch": microbatch, "rank": rank_of, "group_end": group_end,
+            "before": before, "charge": charge, "by_rank": by_rank, "made": made,
+            "backward_stages": backward_stages}  # fmt: skip
 
-    def _charge(self, group: list[int]) -> None:
-        """Each action's duration key: alone, or the halves of an overlapped pair (F then B or I)."""
-        if len(group) == 2 and self.op[group[0]] == 0 and self.op[group[1]] in (1, 2):
-            first, second = group
-            self.charge.append((PAIR_FORWARD, self.stage[first], 0, self.stage[second], self.op[second]))
-            self.charge.append((PAIR_BACKWARD, self.stage[second], self.op[second], self.stage[first], 0))
-            return
-        for n in group:
-            self.charge.append((LONE, self.stage[n], self.op[n], 0, 0))
 
-    def inputs(self, action: int, none: int) -> tuple[int, int, int, int]:
-        """(local input, second local input, remote input's sender-group end, the compute after which
-        the receive is posted) for ``action``: the engine's `_needs`."""
-        stage, op, microbatch = self.stage[action], self.op[action], self.microbatch[action]
-        needs = []
-        if op == 3:  # W: its own I
-            needs.append(self.where[(1, stage, microbatch)])
-        elif op == 0:
-            if stage > 0:
-                needs.append(self.where[(0, stage - 1, microbatch)])
-        else:
-            needs.append(self.where[(0, stage, microbatch)])
-            if stage + 1 in self.backward_stages:  # past the last stage the loss is the backward's own
-                needs.append(self.where[(1, stage + 1, microbatch)])
-        local = [n for n in needs if self.rank[n] == self.rank[action]]
-        remote = [self.group_end[n] for n in needs if self.rank[n] != self.rank[action]]
-        local += [none] * (2 - len(local))
-        posted = self.before_group[action] if self.before_group[action] >= 0 else none
-        return local[0], local[1], remote[0] if remote else -1, posted
+def _waits(shape: dict, none: int) -> list[list[tuple]]:
+    """Per rank, each action with what it waits for: (action, the rank's previous action, local input,
+    second local input, remote input's sender-group end or -1, the compute after which its receive is
+    posted): the engine's `_needs`, a missing one ``none``."""
+    stage, op, microbatch, rank_of = shape["stage"], shape["op"], shape["microbatch"], shape["rank"]
+    group_end, before, made, backward = (
+        shape["group_end"],
+        shape["before"],
+        shape["made"],
+        shape["backward_stages"],
+    )
+    queues = []
+    for mine in shape["by_rank"]:
+        queue, previous = [], none
+        for action in mine:
+            s, kind, mb, rank = stage[action], op[action], microbatch[action], rank_of[action]
+            if kind == 3:  # W: its own I
+                needs = (made[(1, s, mb)],)
+            elif kind == 0:
+                needs = (made[(0, s - 1, mb)],) if s > 0 else ()
+            elif s + 1 in backward:
+                needs = (made[(0, s, mb)], made[(1, s + 1, mb)])
+            else:  # the last stage: the loss is the backward's own
+                needs = (made[(0, s, mb)],)
+            local, remote = [none, none], -1
+            for need in needs:
+                if rank_of[need] == rank:
+                    local[local.index(none)] = need
+                else:
+                    remote = group_end[need]
+            posted = before[action] if before[action] >= 0 else none
+            queue.append((action, previous, local[0], local[1], remote, posted))
+            previous = action
+        queues.append(queue)
+    return queues
 
 
 def _topological(queues: list[list[tuple]], none: int) -> tuple:
