@@ -76,28 +76,33 @@ def search(
     fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
-    queue: list[tuple[float, int, bool, Config]] = []  # (floor, order, refined, config): a heap
-    leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
-    for config in configurations(model, cluster, job, fixed):
-        result.considered += 1
-        if result.considered % 4096 == 0:
+    queue: list[tuple[float, int, bool, object]] = []  # (floor, order, refined, group or config): a heap
+    leanest: tuple[float, int, Config] | None = None  # the least static memory, for when nothing fits
+    for base, members in config_groups(model, cluster, job, fixed):
+        before = result.considered
+        result.considered += len(members)
+        if result.considered // 4096 > before // 4096:
             progress(result.considered, 0, None)
-        static = static_floor(model, config, software)
-        if leanest is None or static < leanest[0]:
-            leanest = (static, config)
-        if static > capacity:
-            continue
-        queue.append((work_floor(model, config, job, software, rates), len(queue), False, config))
+        static = static_floor(model, base, software)  # the cheap floors read no schedule
+        if leanest is None or (static, members[0][2]) < leanest[:2]:
+            leanest = (static, members[0][2], base)
+        if static <= capacity:
+            queue.append(
+                (work_floor(model, base, job, software, rates), members[0][2], False, (base, members))
+            )
     heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
     fit: set[Config] = set()
     while queue:
-        floor, order, refined, config = heapq.heappop(queue)
+        floor, _, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
-        if not refined:  # the cheap floor let it this far: compute the tighter one, and queue it again
-            tight = max(floor, _floor(model, config, job, software, rates))
-            heapq.heappush(queue, (tight, order, True, config))
+        if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
+            base, members = config
+            for schedule, chunks, number in members:
+                config = replace(base, schedule=schedule, chunks=chunks)
+                tight = max(floor, _floor(model, config, job, software, rates))
+                heapq.heappush(queue, (tight, number, True, config))
             continue
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
             continue  # the same run keeping the attention core too fits, and skips the core's second run
@@ -122,7 +127,7 @@ def search(
         del ranked[top:]
     result.ranked = [prediction for _, prediction in ranked]
     if not ranked and result.smallest is None and leanest is not None:
-        config = leanest[1]
+        config = leanest[2]
         result.smallest = _judged(
             model, config, job, software, cluster, gpu_memory(model, config, job, software)
         )
@@ -173,6 +178,46 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 found = True
                 yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep)
     if not found:
+        raise SearchError(
+            f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
+            f"--global-batch {job.global_batch}"
+        )
+
+
+def config_groups(
+    model: PaperModel, cluster: Cluster, job: Job, fixed: dict
+) -> Iterator[tuple[Config, list[tuple[str, int, int]]]]:
+    """`configurations` grouped by all but the schedule and its chunks: (the group's first configuration,
+    each member's schedule, chunks and place in `configurations`' order). The cheap floors read no
+    schedule, so a search computes them once a group (a test holds them equal within each)."""
+    check_fixed(model, cluster, job, fixed)
+    layouts = list(_layouts(model, cluster, job, fixed))
+    if not layouts:
+        raise SearchError(_no_layout(model, cluster, job, fixed))
+    number = 0
+    for tp, pp, dp in layouts:
+        local = job.global_batch // dp
+        sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
+        schedules = list(_schedules(model, pp, fixed))
+        inner = list(itertools.product(
+            _choice(fixed, "recompute", RECOMPUTES),
+            _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+            _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
+            experts.ep_choices(model, dp, fixed),
+        ))  # fmt: skip
+        for size in sizes:
+            if local % size:
+                continue
+            (schedule, chunks) = schedules[0] if schedules else ("", 0)
+            for i, (recompute, zero, sp, ep) in enumerate(inner):
+                members = [(name, v, number + j * len(inner) + i) for j, (name, v) in enumerate(schedules)]
+                if members:
+                    yield (
+                        Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep),
+                        members,
+                    )
+            number += len(schedules) * len(inner)
+    if number == 0:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
             f"--global-batch {job.global_batch}"
