@@ -73,7 +73,8 @@ def search_once(which: str, gpus: int, kind: str, batch: int, seq: int, fixed: d
     from pipeclock.plan.gpus import KINDS, Cluster
     from pipeclock.plan.search import search
 
-    for cached in (pipeline_time.simulated, pipeline_replay.compiled, cluster_memory.held_microbatches,
+    for cached in (pipeline_time.simulated, pipeline_replay.compiled, pipeline_replay.schedule_table,
+                   cluster_memory.held_microbatches,
                    cluster_memory._held, cluster_memory.placement_for):  # fmt: skip
         cached.cache_clear()
     found = search(_model(which), Cluster(gpus, KINDS[kind]), Job(batch, seq), Software("bf16"), fixed,

@@ -58,10 +58,17 @@ class Replayed:
     busy: float
 
 
+@functools.lru_cache(maxsize=4)
+def schedule_table(schedule: str, pp: int, microbatches: int, chunks: int):
+    """The generator's table, kept a while: a search reads a configuration's memory and then its step off
+    the same one. The caller must not change it."""
+    return generate(schedule, pp, microbatches, chunks)
+
+
 @functools.lru_cache(maxsize=64)
 def compiled(schedule: str, pp: int, microbatches: int, chunks: int) -> Compiled:
     """The schedule's program (first-stage backwards joined, as the engine runs it), compiled."""
-    table = generate(schedule, pp, microbatches, chunks)
+    table = schedule_table(schedule, pp, microbatches, chunks)
     return compile_table(join_first_stage_backwards(table), placement_of(table))
 
 
@@ -90,33 +97,50 @@ def _numbered(rows, placement) -> dict:
     stage, op, microbatch, rank_of, group_end, before, charge, by_rank = ([] for _ in range(8))
     made: dict[tuple[int, int, int], int] = {}  # (0: F, 1: B or I, stage, micro-batch) -> action
     for rank, actions in enumerate(rows):
-        stages, mine, previous, index, count = placement.stages[rank], [], -1, 0, len(actions)
-        while index < count:
-            size = 2 if actions[index].overlap and index + 1 < count else 1
-            first = len(stage)
-            for action in actions[index : index + size]:
-                number, where, kind = len(stage), stages[action.chunk], OPS[action.op]
-                stage.append(where)
-                op.append(kind)
-                microbatch.append(action.microbatch)
-                rank_of.append(rank)
-                group_end.append(first + size - 1)
-                before.append(previous)
-                mine.append(number)
-                if kind != 3:  # an I gives what a B gives: the input's gradient
-                    made.setdefault((min(kind, 1), where, action.microbatch), number)
-            if size == 2 and op[first] == 0 and op[first + 1] in (1, 2):
-                charge.append((PAIR_FORWARD, stage[first], 0, stage[first + 1], op[first + 1]))
-                charge.append((PAIR_BACKWARD, stage[first + 1], op[first + 1], stage[first], 0))
-            else:
-                charge.extend((LONE, stage[n], op[n], 0, 0) for n in range(first, first + size))
-            previous = first + size - 1
-            index += size
-        by_rank.append(mine)
+        first, count, stages = len(stage), len(actions), placement.stages[rank]
+        numbers = range(first, first + count)
+        kinds = [OPS[action.op] for action in actions]
+        where = [stages[action.chunk] for action in actions]
+        batches = [action.microbatch for action in actions]
+        stage += where
+        op += kinds
+        microbatch += batches
+        rank_of += [rank] * count
+        by_rank.append(list(numbers))
+        if any(action.overlap for action in actions):
+            _grouped(actions, first, kinds, where, group_end, before, charge)
+        else:  # each action its own group
+            group_end += numbers
+            before += [-1, *numbers[:-1]] if count else []
+            charge += [(LONE, s, k, 0, 0) for s, k in zip(where, kinds, strict=True)]
+        outputs = [
+            ((min(k, 1), s, b), n)
+            for k, s, b, n in zip(kinds, where, batches, numbers, strict=True)
+            if k != 3
+        ]
+        made.update(reversed(outputs))  # the first wins: an I gives what a B gives, the input's gradient
     backward_stages = {key[1] for key in made if key[0] == 1}
     return {"stage": stage, "op": op, "microbatch": microbatch, "rank": rank_of, "group_end": group_end,
             "before": before, "charge": charge, "by_rank": by_rank, "made": made,
             "backward_stages": backward_stages}  # fmt: skip
+
+
+def _grouped(actions, first: int, kinds, where, group_end, before, charge) -> None:
+    """One rank's groups where overlapped pairs (an F marked ``overlap`` and the action after it) occur."""
+    index, previous, count = 0, -1, len(actions)
+    while index < count:
+        size = 2 if actions[index].overlap and index + 1 < count else 1
+        end = first + index + size - 1
+        group_end += [end] * size
+        before += [previous] * size
+        if size == 2 and kinds[index] == 0 and kinds[index + 1] in (1, 2):
+            partner, kind = where[index + 1], kinds[index + 1]
+            charge.append((PAIR_FORWARD, where[index], 0, partner, kind))
+            charge.append((PAIR_BACKWARD, partner, kind, where[index], 0))
+        else:
+            charge += [(LONE, where[n], kinds[n], 0, 0) for n in range(index, index + size)]
+        previous = end
+        index += size
 
 
 def _waits(shape: dict, none: int) -> list[list[tuple]]:
@@ -134,23 +158,18 @@ def _waits(shape: dict, none: int) -> list[list[tuple]]:
     for mine in shape["by_rank"]:
         queue, previous = [], none
         for action in mine:
-            s, kind, mb, rank = stage[action], op[action], microbatch[action], rank_of[action]
-            if kind == 3:  # W: its own I
-                needs = (made[(1, s, mb)],)
-            elif kind == 0:
-                needs = (made[(0, s - 1, mb)],) if s > 0 else ()
-            elif s + 1 in backward:
-                needs = (made[(0, s, mb)], made[(1, s + 1, mb)])
-            else:  # the last stage: the loss is the backward's own
-                needs = (made[(0, s, mb)],)
-            local, remote = [none, none], -1
-            for need in needs:
-                if rank_of[need] == rank:
-                    local[local.index(none)] = need
-                else:
-                    remote = group_end[need]
+            s, kind, mb = stage[action], op[action], microbatch[action]
+            if kind == 0:  # F: the stage before's output
+                own, other = none, made[(0, s - 1, mb)] if s > 0 else none
+            elif kind == 3:  # W: its own I
+                own, other = made[(1, s, mb)], none
+            else:  # B or I: its own forward, and the gradient from the stage after (past the last: none)
+                own, other = made[(0, s, mb)], made[(1, s + 1, mb)] if s + 1 in backward else none
+            remote = -1
+            if other != none and rank_of[other] != rank_of[action]:
+                other, remote = none, group_end[other]
             posted = before[action] if before[action] >= 0 else none
-            queue.append((action, previous, local[0], local[1], remote, posted))
+            queue.append((action, previous, own, other, remote, posted))
             previous = action
         queues.append(queue)
     return queues
