@@ -7,6 +7,7 @@ simulated with per-stage costs (expert parallel's all-to-alls hidden where a pai
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import join_first_stage_backwards, placement_of
@@ -46,7 +47,7 @@ def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, floa
     cached = _FLOOR_TERMS.get(key)
     if cached is not None and cached[0] is costs:
         return cached[1]
-    terms = _floor_terms_of(schedule, pp, chunks, [_compute_only(cost) for cost in costs])
+    terms = _floor_terms_of(schedule, pp, chunks, costs)
     if len(_FLOOR_TERMS) > 4096:
         _FLOOR_TERMS.clear()
     _FLOOR_TERMS[key] = (costs, terms)
@@ -54,27 +55,28 @@ def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, floa
 
 
 def _floor_terms_of(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
-    placement = placement_for(schedule, pp, chunks)
+    """The terms for ``costs`` without their all-to-alls (which may hide under a paired action)."""
+    split, stages_of = _floor_shape(schedule, pp, chunks)
+    forward = [cost["F"] - cost.get("xF", 0.0) for cost in costs]
+    backward = [cost["B"] - cost.get("xB", 0.0) for cost in costs]
+    gradient = [cost["I"] - cost.get("xB", 0.0) for cost in costs] if split else backward
+    before = list(itertools.accumulate(forward, initial=0.0))
+    after = [0.0] * len(before) if split else list(itertools.accumulate(backward, initial=0.0))
+    work = [f + b for f, b in zip(forward, backward, strict=True)]
+    ranks = tuple(
+        (before[min(stages)] + after[min(stages)], sum(work[s] for s in stages)) for stages in stages_of
+    )
     last = len(costs) - 1
-    split = splits_backward(schedule)
-    gradient = "I" if split else "B"
-    before, after = [0.0], [0.0]
-    for cost in costs:
-        before.append(before[-1] + cost["F"])
-        after.append(after[-1] + cost["B"])
-    ranks = []
-    for stages in placement.stages:
-        first = min(stages)
-        fixed = before[first] + (0.0 if split else after[first])
-        ranks.append((fixed, sum(costs[s]["F"] + costs[s]["B"] for s in stages)))
-    chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
-    return tuple(ranks), chain, costs[last]["F"] + costs[last][gradient]
+    chain = sum(forward[s] + gradient[s] for s in range(last))
+    return ranks, chain, forward[last] + gradient[last]
 
 
-def _compute_only(cost: dict[str, float]) -> dict[str, float]:
-    """A stage's costs without its all-to-alls (which may hide under a paired action)."""
-    forward, backward = cost.get("xF", 0.0), cost.get("xB", 0.0)
-    return {"F": cost["F"] - forward, "B": cost["B"] - backward, "I": cost["I"] - backward, "W": cost["W"]}
+@functools.lru_cache(maxsize=1024)
+def _floor_shape(schedule: str, pp: int, chunks: int) -> tuple[bool, tuple]:
+    """Whether the schedule splits its backwards, and each rank's virtual stages."""
+    return splits_backward(schedule), tuple(
+        tuple(stages) for stages in placement_for(schedule, pp, chunks).stages
+    )
 
 
 @functools.lru_cache(maxsize=64)
