@@ -12,7 +12,7 @@ import pytest
 from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.cluster_memory import static_floor
-from pipeclock.plan.cluster_time import Rates, work_floor
+from pipeclock.plan.cluster_time import Rates, optimizer_seconds, work_floor
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import compiled, replay
@@ -56,8 +56,8 @@ DENSE = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, he
 
 @pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
 def test_the_search_floors_each_group_once_as_it_would_each_configuration(model):
-    """A search computes the cheap floors once for all schedules of a configuration: the groups hold
-    every configuration, in order, and the floors are equal within each group."""
+    """A search computes the cheap floors (and the optimizer's seconds) once for all schedules of a
+    configuration: the groups hold every configuration, in order, and these are equal within each."""
     cluster, job, software = Cluster(16, KINDS["H100-80GB"]), Job(64, 2048), Software("bf16")
     rates = Rates(cluster.kind, software)
     grouped = {}
@@ -66,8 +66,10 @@ def test_the_search_floors_each_group_once_as_it_would_each_configuration(model)
         for schedule, chunks, number in members:
             config = replace(base, schedule=schedule, chunks=chunks)
             grouped[number] = config
-            floors.add(
-                (static_floor(model, config, software), work_floor(model, config, job, software, rates))
-            )
+            floors.add((
+                static_floor(model, config, software),
+                work_floor(model, config, job, software, rates),
+                optimizer_seconds(model, config, rates),
+            ))  # fmt: skip
         assert len(floors) == 1, base
     assert [grouped[n] for n in sorted(grouped)] == list(configurations(model, cluster, job, {}))

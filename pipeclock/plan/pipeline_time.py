@@ -43,20 +43,21 @@ def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, floa
     """`pipeline_floor`'s terms, linear in the micro-batch count: per rank (what precedes and follows
     its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch). Kept
     while ``costs`` (a list `stage_costs` caches) lives."""
-    key = (id(costs), schedule, pp, chunks)
+    shape = _floor_shape(schedule, pp, chunks)
+    key = (id(costs), shape)  # schedules that split alike on the same placement share their terms
     cached = _FLOOR_TERMS.get(key)
     if cached is not None and cached[0] is costs:
         return cached[1]
-    terms = _floor_terms_of(schedule, pp, chunks, costs)
+    terms = _floor_terms_of(shape, costs)
     if len(_FLOOR_TERMS) > 4096:
         _FLOOR_TERMS.clear()
     _FLOOR_TERMS[key] = (costs, terms)
     return terms
 
 
-def _floor_terms_of(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
+def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) -> tuple:
     """The terms for ``costs`` without their all-to-alls (which may hide under a paired action)."""
-    split, stages_of = _floor_shape(schedule, pp, chunks)
+    split, stages_of = shape
     forward = [cost["F"] - cost.get("xF", 0.0) for cost in costs]
     backward = [cost["B"] - cost.get("xB", 0.0) for cost in costs]
     gradient = [cost["I"] - cost.get("xB", 0.0) for cost in costs] if split else backward

@@ -18,6 +18,8 @@ beat the ``top``-th best step found; the simulations themselves are cached by th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -72,8 +74,26 @@ def search(
 ) -> SearchResult:
     """The ``top`` fastest configurations that fit (see the module's order of work). ``progress``, when
     given, is called now and then with (configurations considered, judged, the best step so far)."""
+    with _collector_paused():
+        return _search(model, cluster, job, software, fixed or {}, top, progress)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused: a search keeps hundreds of thousands of objects alive
+    (schedule tables, compiled programs) and makes no cycles, and each full collection walked them all
+    (a third of a 1T search's time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> SearchResult:
     progress = progress or (lambda _considered, _judged, _best: None)
-    fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
     queue: list[tuple[float, int, bool, object]] = []  # (floor, order, refined, group or config): a heap
@@ -99,9 +119,10 @@ def search(
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
             base, members = config
+            optimizer = optimizer_seconds(model, base, rates)  # reads no schedule either
             for schedule, chunks, number in members:
                 config = replace(base, schedule=schedule, chunks=chunks)
-                tight = max(floor, _floor(model, config, job, software, rates))
+                tight = max(floor, _floor(model, config, job, software, rates, optimizer))
                 heapq.heappush(queue, (tight, number, True, config))
             continue
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
@@ -134,13 +155,13 @@ def search(
     return result
 
 
-def _floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+def _floor(model, config: Config, job: Job, software: Software, rates: Rates, optimizer: float) -> float:
     """A step time ``config`` cannot beat: its pipeline's floor, plus what data parallel adds for sure
-    and the optimizer."""
+    and the ``optimizer``'s seconds."""
     costs = stage_costs(model, config, job, software, rates)
     floor = pipeline_floor(config, costs, message_seconds(model, config, job, rates))
     floor += data_parallel_seconds(model, config, software, rates, costs, None, 1.0)
-    return floor + optimizer_seconds(model, config, rates)
+    return floor + optimizer
 
 
 def _twins(a: Prediction, b: Prediction) -> bool:
