@@ -17,7 +17,7 @@ from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import compiled, replay
 from pipeclock.plan.pipeline_time import engine_simulated
-from pipeclock.plan.search import config_groups, configurations
+from pipeclock.plan.search import SearchError, config_groups, configurations, search
 
 CHUNKS = {"interleaved-1f1b": (2, 3), "zb-v": (2,), "dualpipev": (2,)}
 
@@ -73,3 +73,15 @@ def test_the_search_floors_each_group_once_as_it_would_each_configuration(model)
             ))  # fmt: skip
         assert len(floors) == 1, base
     assert [grouped[n] for n in sorted(grouped)] == list(configurations(model, cluster, job, {}))
+
+
+def test_a_search_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    cluster, job = Cluster(8, KINDS["H100-80GB"]), Job(16, 1024)
+    assert gc.isenabled()
+    search(DENSE, cluster, job, Software("bf16"), top=1)
+    assert gc.isenabled()
+    with pytest.raises(SearchError):
+        search(DENSE, cluster, job, Software("bf16"), {"tp": 16}, top=1)
+    assert gc.isenabled()
