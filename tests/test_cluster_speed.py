@@ -17,7 +17,7 @@ from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import compiled, replay
 from pipeclock.plan.pipeline_time import engine_simulated
-from pipeclock.plan.search import SearchError, config_groups, configurations, search
+from pipeclock.plan.search import SearchError, config_groups, configurations, floor_of, group_floors, search
 
 CHUNKS = {"interleaved-1f1b": (2, 3), "zb-v": (2,), "dualpipev": (2,)}
 
@@ -57,7 +57,8 @@ DENSE = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, he
 @pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
 def test_the_search_floors_each_group_once_as_it_would_each_configuration(model):
     """A search computes the cheap floors (and the optimizer's seconds) once for all schedules of a
-    configuration: the groups hold every configuration, in order, and these are equal within each."""
+    configuration: the groups hold every configuration, in order, and these are equal within each; each
+    member's schedule floor, computed with what its group shares, is its floor computed alone."""
     cluster, job, software = Cluster(16, KINDS["H100-80GB"]), Job(64, 2048), Software("bf16")
     rates = Rates(cluster.kind, software)
     grouped = {}
@@ -72,6 +73,8 @@ def test_the_search_floors_each_group_once_as_it_would_each_configuration(model)
                 optimizer_seconds(model, config, rates),
             ))  # fmt: skip
         assert len(floors) == 1, base
+        for config, _, floor in group_floors(model, base, members, job, software, rates):
+            assert floor == floor_of(model, config, job, software, rates), config
     assert [grouped[n] for n in sorted(grouped)] == list(configurations(model, cluster, job, {}))
 
 

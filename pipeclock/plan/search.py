@@ -118,12 +118,8 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
-            base, members = config
-            optimizer = optimizer_seconds(model, base, rates)  # reads no schedule either
-            for schedule, chunks, number in members:
-                config = replace(base, schedule=schedule, chunks=chunks)
-                tight = max(floor, _floor(model, config, job, software, rates, optimizer))
-                heapq.heappush(queue, (tight, number, True, config))
+            for member, number, tight in group_floors(model, *config, job, software, rates):
+                heapq.heappush(queue, (max(floor, tight), number, True, member))
             continue
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
             continue  # the same run keeping the attention core too fits, and skips the core's second run
@@ -155,13 +151,33 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     return result
 
 
-def _floor(model, config: Config, job: Job, software: Software, rates: Rates, optimizer: float) -> float:
-    """A step time ``config`` cannot beat: its pipeline's floor, plus what data parallel adds for sure
-    and the ``optimizer``'s seconds."""
+def group_floors(model, base: Config, members, job: Job, software: Software, rates: Rates) -> list:
+    """For each member of a `config_groups` group, (its configuration, its order number, a step time it
+    cannot beat): its pipeline's floor, plus what data parallel adds for sure and the optimizer. What
+    reads no schedule is computed once a group (the message, the optimizer) or once per chunk count (the
+    stage costs, data parallel's share); a test holds each floor to `floor_of` the configuration."""
+    transfer, optimizer = message_seconds(model, base, job, rates), optimizer_seconds(model, base, rates)
+    per_chunks: dict[int, tuple] = {}
+    floors = []
+    for schedule, chunks, number in members:
+        config = replace(base, schedule=schedule, chunks=chunks)
+        if chunks not in per_chunks:
+            costs = stage_costs(model, config, job, software, rates)
+            per_chunks[chunks] = (
+                costs,
+                data_parallel_seconds(model, config, software, rates, costs, None, 1.0),
+            )
+        costs, data_parallel = per_chunks[chunks]
+        floors.append((config, number, pipeline_floor(config, costs, transfer) + data_parallel + optimizer))
+    return floors
+
+
+def floor_of(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+    """A step time ``config`` cannot beat (`group_floors`' rule, for one configuration on its own)."""
     costs = stage_costs(model, config, job, software, rates)
     floor = pipeline_floor(config, costs, message_seconds(model, config, job, rates))
     floor += data_parallel_seconds(model, config, software, rates, costs, None, 1.0)
-    return floor + optimizer
+    return floor + optimizer_seconds(model, config, rates)
 
 
 def _twins(a: Prediction, b: Prediction) -> bool:
