@@ -30,9 +30,13 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
       and before the last one's gradient has gone back to the first stage (each hop across ranks costing
       at least one message).
     """
-    ranks, chain, chain_per_microbatch = _floor_terms(config.schedule, config.pp, config.chunks, costs)
+    (ranks, chain, chain_per_microbatch), busiest_at = _floor_terms(
+        config.schedule, config.pp, config.chunks, costs
+    )
     m = config.microbatches
-    busiest = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
+    busiest = busiest_at.get(m)
+    if busiest is None:
+        busiest = busiest_at[m] = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
     return max(busiest, chain + m * chain_per_microbatch + 2 * (config.pp - 1) * transfer)
 
 
@@ -41,18 +45,19 @@ _FLOOR_TERMS: dict[tuple, tuple] = {}
 
 def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
     """`pipeline_floor`'s terms, linear in the micro-batch count: per rank (what precedes and follows
-    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch). Kept
-    while ``costs`` (a list `stage_costs` caches) lives."""
+    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch); with a
+    dict for the busiest rank's time by micro-batch count. Kept while ``costs`` (a list `stage_costs`
+    caches) lives."""
     shape = _floor_shape(schedule, pp, chunks)
     key = (id(costs), shape)  # schedules that split alike on the same placement share their terms
     cached = _FLOOR_TERMS.get(key)
     if cached is not None and cached[0] is costs:
-        return cached[1]
+        return cached[1:]
     terms = _floor_terms_of(shape, costs)
     if len(_FLOOR_TERMS) > 4096:
         _FLOOR_TERMS.clear()
-    _FLOOR_TERMS[key] = (costs, terms)
-    return terms
+    _FLOOR_TERMS[key] = (costs, terms, {})
+    return terms, _FLOOR_TERMS[key][2]
 
 
 def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) -> tuple:
