@@ -1,5 +1,6 @@
 """How fast the cluster planner answers: the program simulator on a long interleaved step, and the searches
-a user runs (405B on 16,384 GPUs, a 1T GPT on 3,072, a GPT-shaped free search, a --fix pp=64 judgement).
+a user runs (405B on 16,384 GPUs, a 1T GPT on 3,072, a GPT-shaped free search, a --fix pp=64 judgement,
+DeepSeek-V3's free mixture-of-experts search on 2,048 H800s).
 
     python -m benchmarks.cluster_speed        # prints a table, writes benchmarks/results/cluster_speed.*
 
@@ -22,7 +23,8 @@ from pipeclock.engine.program import lower
 from pipeclock.engine.program_run import simulate_program
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LLAMA_405B = Path(__file__).resolve().parent.parent / "docs" / "cluster" / "llama-3.1-405b.json"
+CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "cluster"
+LLAMA_405B = CONFIGS / "llama-3.1-405b.json"
 SIMULATIONS = [("interleaved-1f1b", 16, 256, 2), ("interleaved-1f1b", 16, 256, 4), ("1f1b", 16, 256, 1),
                ("zb-v", 16, 256, 2), ("dualpipev", 16, 256, 2)]  # fmt: skip
 
@@ -42,7 +44,8 @@ def simulate_once(schedule: str, p: int, m: int, chunks: int) -> None:
     simulate_program(lower(generate(schedule, p, m, chunks)), lambda _rank, _instruction: 1.0)
 
 
-# (what, how the model is made, GPUs, kind, global batch, seq len, --fix): each a search a user runs
+# (what, how the model is made, GPUs, kind, global batch, seq len, --fix): each a search a user runs; a kind
+# ending in .json is a --gpu-spec file under docs/cluster, and DeepSeek-V3 plans in fp8 as it trained
 SEARCHES = [
     ("search: Llama 3.1 405B (its config.json), 16384 x H100-80GB, 1024 x 8192 tokens",
      "llama-405b", 16384, "H100-80GB", 1024, 8192, {}),
@@ -52,6 +55,8 @@ SEARCHES = [
      "gpt-6.7b", 256, "H100-80GB", 1024, 2048, {}),
     ("--fix pp=64: GPT 1T, 3072 x A100-80GB, 3072 x 2048 tokens",
      "gpt-1t", 3072, "A100-80GB", 3072, 2048, {"pp": 64}),
+    ("search: DeepSeek-V3 (its config.json, MoE, fp8), 2048 x H800, 15360 x 4096 tokens",
+     "deepseek-v3", 2048, "h800.json", 15360, 4096, {}),
 ]  # fmt: skip
 
 
@@ -61,6 +66,8 @@ def _model(which: str):
 
     if which == "llama-405b":
         return paper_model(read_config(LLAMA_405B))
+    if which == "deepseek-v3":
+        return paper_model(read_config(CONFIGS / "deepseek-v3.json"), "DeepSeek-V3")
     if which == "gpt-1t":
         return gpt_model(25600, 128, 160, 51200)
     return gpt_model(4096, 32, 32, 50304)
@@ -68,16 +75,18 @@ def _model(which: str):
 
 def search_once(which: str, gpus: int, kind: str, batch: int, seq: int, fixed: dict) -> dict:
     """One search from empty caches, the model read as ``plan`` reads it (config file included)."""
-    from pipeclock.plan import cluster_memory, pipeline_time
+    from pipeclock.plan import cluster_memory, pipeline_replay, pipeline_time
     from pipeclock.plan.cluster_config import Job, Software
-    from pipeclock.plan.gpus import KINDS, Cluster
+    from pipeclock.plan.gpus import KINDS, Cluster, load_spec
     from pipeclock.plan.search import search
 
-    for cached in (pipeline_time.simulated, pipeline_time._program, cluster_memory.held_microbatches,
+    for cached in (pipeline_time.simulated, pipeline_replay.compiled, pipeline_replay.schedule_table,
+                   cluster_memory.held_microbatches,
                    cluster_memory._held, cluster_memory.placement_for):  # fmt: skip
         cached.cache_clear()
-    found = search(_model(which), Cluster(gpus, KINDS[kind]), Job(batch, seq), Software("bf16"), fixed,
-                   top=1 if fixed else 5)  # fmt: skip
+    gpu = load_spec(CONFIGS / kind) if kind.endswith(".json") else KINDS[kind]
+    software = Software("fp8", True, False) if which == "deepseek-v3" else Software("bf16")
+    found = search(_model(which), Cluster(gpus, gpu), Job(batch, seq), software, fixed, top=1 if fixed else 5)
     best = found.ranked[0]
     return {
         "considered": found.considered, "judged": found.judged, "simulated": found.simulated,

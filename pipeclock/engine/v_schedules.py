@@ -51,10 +51,11 @@ class _VRank:
 
     def weight(self, chunk: int | None = None) -> None:
         """The oldest queued W (of ``chunk``, if given), if any: per chunk, W's follow the I's order."""
-        queued = [w for w in self._weights if chunk is None or w.chunk == chunk]
-        if queued:
-            self._weights.remove(queued[0])
-            self.actions.append(queued[0])
+        for index, queued in enumerate(self._weights):  # the first match is near the front
+            if chunk is None or queued.chunk == chunk:
+                del self._weights[index]
+                self.actions.append(queued)
+                return
 
     def weights_left(self, chunk: int) -> bool:
         return any(w.chunk == chunk for w in self._weights)

@@ -28,6 +28,7 @@ from pipeclock.models.partition import partition
 from pipeclock.plan import activations, calibration, experts
 from pipeclock.plan.cluster_config import GRADIENTS, Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel
+from pipeclock.plan.pipeline_replay import schedule_table
 
 MASTER_BYTES, GRADIENT_BYTES, ADAM_BYTES = 4, 4, 8
 
@@ -97,7 +98,7 @@ HELD_SETTLED = 1  # rounds of pp x chunks micro-batches after which a bounded sc
 
 @functools.lru_cache(maxsize=4096)
 def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    table = generate(schedule, pp, microbatches, chunks)
+    table = schedule_table(schedule, pp, microbatches, chunks)  # shared with the step's simulation
     placement = placement_of(table)
     last = placement.num_virtual - 1
     result = []

@@ -7,6 +7,7 @@ simulated with per-stage costs (expert parallel's all-to-alls hidden where a pai
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import join_first_stage_backwards, placement_of
@@ -16,6 +17,7 @@ from pipeclock.engine.program_run import simulate_program
 from pipeclock.observe.simulate import simulate
 from pipeclock.plan.cluster_config import Config
 from pipeclock.plan.cluster_memory import placement_for
+from pipeclock.plan.pipeline_replay import compiled, replay
 
 
 def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
@@ -28,9 +30,13 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
       and before the last one's gradient has gone back to the first stage (each hop across ranks costing
       at least one message).
     """
-    ranks, chain, chain_per_microbatch = _floor_terms(config.schedule, config.pp, config.chunks, costs)
+    (ranks, chain, chain_per_microbatch), busiest_at = _floor_terms(
+        config.schedule, config.pp, config.chunks, costs
+    )
     m = config.microbatches
-    busiest = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
+    busiest = busiest_at.get(m)
+    if busiest is None:
+        busiest = busiest_at[m] = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
     return max(busiest, chain + m * chain_per_microbatch + 2 * (config.pp - 1) * transfer)
 
 
@@ -39,41 +45,44 @@ _FLOOR_TERMS: dict[tuple, tuple] = {}
 
 def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
     """`pipeline_floor`'s terms, linear in the micro-batch count: per rank (what precedes and follows
-    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch). Kept
-    while ``costs`` (a list `stage_costs` caches) lives."""
-    key = (id(costs), schedule, pp, chunks)
+    its work, its work per micro-batch), and the last stage's chain (fixed, per micro-batch); with a
+    dict for the busiest rank's time by micro-batch count. Kept while ``costs`` (a list `stage_costs`
+    caches) lives."""
+    shape = _floor_shape(schedule, pp, chunks)
+    key = (id(costs), shape)  # schedules that split alike on the same placement share their terms
     cached = _FLOOR_TERMS.get(key)
     if cached is not None and cached[0] is costs:
-        return cached[1]
-    terms = _floor_terms_of(schedule, pp, chunks, [_compute_only(cost) for cost in costs])
+        return cached[1:]
+    terms = _floor_terms_of(shape, costs)
     if len(_FLOOR_TERMS) > 4096:
         _FLOOR_TERMS.clear()
-    _FLOOR_TERMS[key] = (costs, terms)
-    return terms
+    _FLOOR_TERMS[key] = (costs, terms, {})
+    return terms, _FLOOR_TERMS[key][2]
 
 
-def _floor_terms_of(schedule: str, pp: int, chunks: int, costs: list[dict[str, float]]) -> tuple:
-    placement = placement_for(schedule, pp, chunks)
+def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) -> tuple:
+    """The terms for ``costs`` without their all-to-alls (which may hide under a paired action)."""
+    split, stages_of = shape
+    forward = [cost["F"] - cost.get("xF", 0.0) for cost in costs]
+    backward = [cost["B"] - cost.get("xB", 0.0) for cost in costs]
+    gradient = [cost["I"] - cost.get("xB", 0.0) for cost in costs] if split else backward
+    before = list(itertools.accumulate(forward, initial=0.0))
+    after = [0.0] * len(before) if split else list(itertools.accumulate(backward, initial=0.0))
+    work = [f + b for f, b in zip(forward, backward, strict=True)]
+    ranks = tuple(
+        (before[min(stages)] + after[min(stages)], sum(work[s] for s in stages)) for stages in stages_of
+    )
     last = len(costs) - 1
-    split = splits_backward(schedule)
-    gradient = "I" if split else "B"
-    before, after = [0.0], [0.0]
-    for cost in costs:
-        before.append(before[-1] + cost["F"])
-        after.append(after[-1] + cost["B"])
-    ranks = []
-    for stages in placement.stages:
-        first = min(stages)
-        fixed = before[first] + (0.0 if split else after[first])
-        ranks.append((fixed, sum(costs[s]["F"] + costs[s]["B"] for s in stages)))
-    chain = sum(cost["F"] + cost[gradient] for cost in costs[:last])
-    return tuple(ranks), chain, costs[last]["F"] + costs[last][gradient]
+    chain = sum(forward[s] + gradient[s] for s in range(last))
+    return ranks, chain, forward[last] + gradient[last]
 
 
-def _compute_only(cost: dict[str, float]) -> dict[str, float]:
-    """A stage's costs without its all-to-alls (which may hide under a paired action)."""
-    forward, backward = cost.get("xF", 0.0), cost.get("xB", 0.0)
-    return {"F": cost["F"] - forward, "B": cost["B"] - backward, "I": cost["I"] - backward, "W": cost["W"]}
+@functools.lru_cache(maxsize=1024)
+def _floor_shape(schedule: str, pp: int, chunks: int) -> tuple[bool, tuple]:
+    """Whether the schedule splits its backwards, and each rank's virtual stages."""
+    return splits_backward(schedule), tuple(
+        tuple(stages) for stages in placement_for(schedule, pp, chunks).stages
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,7 +116,14 @@ class Simulated:
 def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
     """The schedule's program simulated with per-stage ``costs`` (F, B, I, W, and the all-to-alls inside
     F and inside B or I) and each message costing ``transfer``, in the costs' unit; cached: a search asks
-    for the same ones often. Without all-to-alls the lowered program is run directly (the fast path)."""
+    for the same ones often. `pipeclock.plan.pipeline_replay` runs the engine simulator's rules on the
+    program compiled once per shape (`engine_simulated` is the engine's own run, which it equals)."""
+    run = replay(compiled(schedule, pp, microbatches, chunks), costs, transfer)
+    return Simulated(run.makespan, run.bubble, run.moments)
+
+
+def engine_simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer: float):
+    """`simulated` by the engine's own simulator on the lowered program: the reference it is held to."""
     if any(len(stage) > 4 and (stage[4] or stage[5]) for stage in costs):
         return _simulated_exchanging(schedule, pp, microbatches, chunks, costs, transfer)
     programs, stages = _program(schedule, pp, microbatches, chunks)
@@ -138,7 +154,7 @@ def simulated(schedule: str, pp: int, microbatches: int, chunks: int, costs: tup
 
 
 def _simulated_exchanging(schedule: str, pp: int, microbatches: int, chunks: int, costs: tuple, transfer):
-    """`simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
+    """`engine_simulated` with expert parallel's all-to-alls, which the simulator may hide under a paired
     action (``observe.simulate``'s ``exchange``)."""
     table = generate(schedule, pp, microbatches, chunks)
     placement = placement_of(table)

@@ -18,6 +18,8 @@ beat the ``top``-th best step found; the simulations themselves are cached by th
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -72,32 +74,52 @@ def search(
 ) -> SearchResult:
     """The ``top`` fastest configurations that fit (see the module's order of work). ``progress``, when
     given, is called now and then with (configurations considered, judged, the best step so far)."""
+    with _collector_paused():
+        return _search(model, cluster, job, software, fixed or {}, top, progress)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused: a search keeps hundreds of thousands of objects alive
+    (schedule tables, compiled programs) and makes no cycles, and each full collection walked them all
+    (a third of a 1T search's time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> SearchResult:
     progress = progress or (lambda _considered, _judged, _best: None)
-    fixed = fixed or {}
     result = SearchResult([])
     rates, capacity = Rates(cluster.kind, software), cluster.kind.memory
-    queue: list[tuple[float, int, bool, Config]] = []  # (floor, order, refined, config): a heap
-    leanest: tuple[float, Config] | None = None  # the least static memory, for when nothing fits
-    for config in configurations(model, cluster, job, fixed):
-        result.considered += 1
-        if result.considered % 4096 == 0:
+    queue: list[tuple[float, int, bool, object]] = []  # (floor, order, refined, group or config): a heap
+    leanest: tuple[float, int, Config] | None = None  # the least static memory, for when nothing fits
+    for base, members in config_groups(model, cluster, job, fixed):
+        before = result.considered
+        result.considered += len(members)
+        if result.considered // 4096 > before // 4096:
             progress(result.considered, 0, None)
-        static = static_floor(model, config, software)
-        if leanest is None or static < leanest[0]:
-            leanest = (static, config)
-        if static > capacity:
-            continue
-        queue.append((work_floor(model, config, job, software, rates), len(queue), False, config))
+        static = static_floor(model, base, software)  # the cheap floors read no schedule
+        if leanest is None or (static, members[0][2]) < leanest[:2]:
+            leanest = (static, members[0][2], base)
+        if static <= capacity:
+            queue.append(
+                (work_floor(model, base, job, software, rates), members[0][2], False, (base, members))
+            )
     heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
     fit: set[Config] = set()
     while queue:
-        floor, order, refined, config = heapq.heappop(queue)
+        floor, _, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
-        if not refined:  # the cheap floor let it this far: compute the tighter one, and queue it again
-            tight = max(floor, _floor(model, config, job, software, rates))
-            heapq.heappush(queue, (tight, order, True, config))
+        if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
+            for member, number, tight in group_floors(model, *config, job, software, rates):
+                heapq.heappush(queue, (max(floor, tight), number, True, member))
             continue
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
             continue  # the same run keeping the attention core too fits, and skips the core's second run
@@ -122,16 +144,36 @@ def search(
         del ranked[top:]
     result.ranked = [prediction for _, prediction in ranked]
     if not ranked and result.smallest is None and leanest is not None:
-        config = leanest[1]
+        config = leanest[2]
         result.smallest = _judged(
             model, config, job, software, cluster, gpu_memory(model, config, job, software)
         )
     return result
 
 
-def _floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
-    """A step time ``config`` cannot beat: its pipeline's floor, plus what data parallel adds for sure
-    and the optimizer."""
+def group_floors(model, base: Config, members, job: Job, software: Software, rates: Rates) -> list:
+    """For each member of a `config_groups` group, (its configuration, its order number, a step time it
+    cannot beat): its pipeline's floor, plus what data parallel adds for sure and the optimizer. What
+    reads no schedule is computed once a group (the message, the optimizer) or once per chunk count (the
+    stage costs, data parallel's share); a test holds each floor to `floor_of` the configuration."""
+    transfer, optimizer = message_seconds(model, base, job, rates), optimizer_seconds(model, base, rates)
+    per_chunks: dict[int, tuple] = {}
+    floors = []
+    for schedule, chunks, number in members:
+        config = replace(base, schedule=schedule, chunks=chunks)
+        if chunks not in per_chunks:
+            costs = stage_costs(model, config, job, software, rates)
+            per_chunks[chunks] = (
+                costs,
+                data_parallel_seconds(model, config, software, rates, costs, None, 1.0),
+            )
+        costs, data_parallel = per_chunks[chunks]
+        floors.append((config, number, pipeline_floor(config, costs, transfer) + data_parallel + optimizer))
+    return floors
+
+
+def floor_of(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
+    """A step time ``config`` cannot beat (`group_floors`' rule, for one configuration on its own)."""
     costs = stage_costs(model, config, job, software, rates)
     floor = pipeline_floor(config, costs, message_seconds(model, config, job, rates))
     floor += data_parallel_seconds(model, config, software, rates, costs, None, 1.0)
@@ -173,6 +215,46 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 found = True
                 yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep)
     if not found:
+        raise SearchError(
+            f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
+            f"--global-batch {job.global_batch}"
+        )
+
+
+def config_groups(
+    model: PaperModel, cluster: Cluster, job: Job, fixed: dict
+) -> Iterator[tuple[Config, list[tuple[str, int, int]]]]:
+    """`configurations` grouped by all but the schedule and its chunks: (the group's first configuration,
+    each member's schedule, chunks and place in `configurations`' order). The cheap floors read no
+    schedule, so a search computes them once a group (a test holds them equal within each)."""
+    check_fixed(model, cluster, job, fixed)
+    layouts = list(_layouts(model, cluster, job, fixed))
+    if not layouts:
+        raise SearchError(_no_layout(model, cluster, job, fixed))
+    number = 0
+    for tp, pp, dp in layouts:
+        local = job.global_batch // dp
+        sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
+        schedules = list(_schedules(model, pp, fixed))
+        inner = list(itertools.product(
+            _choice(fixed, "recompute", RECOMPUTES),
+            _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+            _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
+            experts.ep_choices(model, dp, fixed),
+        ))  # fmt: skip
+        for size in sizes:
+            if local % size:
+                continue
+            (schedule, chunks) = schedules[0] if schedules else ("", 0)
+            for i, (recompute, zero, sp, ep) in enumerate(inner):
+                members = [(name, v, number + j * len(inner) + i) for j, (name, v) in enumerate(schedules)]
+                if members:
+                    yield (
+                        Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep),
+                        members,
+                    )
+            number += len(schedules) * len(inner)
+    if number == 0:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
             f"--global-batch {job.global_batch}"
