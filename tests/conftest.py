@@ -34,8 +34,8 @@ SLOWEST_FIRST = (
     "test_wrong_loops",  # 4 s, 75 s with `long` (33 checks, a few of them deadlocks)
     "test_optimizer",  # 30 s, 70 s with `long`
     "test_docs",  # 120 s
-    "test_pipeline_matrix",  # 85-100 s
-    "test_faults",  # 55-77 s
+    "test_pipeline_matrix",  # 85-100 s before each model and reference was built once per launch
+    "test_faults",  # 55-77 s with nine deaths; four now (the nine are `long`)
     "test_data_parallel_runs",  # 44-55 s
     "test_tensor_parallel",  # 48-52 s
     "test_data_parallel",  # 37 s

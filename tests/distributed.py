@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -93,8 +94,9 @@ def run_ranks(
 class Started:
     """Ranks started by `start_ranks`, running while the test does something else (another launch)."""
 
-    def __init__(self, procs: list, results, end: float):
+    def __init__(self, procs: list, results, end: float, between=None):
         self._procs, self._results, self._end = procs, results, end
+        self._between = between  # kept: its semaphores live as long as this object, and ranks open them
         self._outcomes: list[RankOutcome] | None = None
 
     def outcomes(self) -> list[RankOutcome]:
@@ -128,17 +130,19 @@ def start_ranks(
 ) -> Started:
     """`run_ranks`, without waiting: the deadline counts from now."""
     context = _rank_server()
-    results = context.Queue()
+    results, between = context.Queue(), context.Barrier(world_size)
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["WORLD_SIZE"] = str(world_size)
     procs = [
-        context.Process(target=_rank_main, args=(rank, env, timeout, linger, fn, args, results), daemon=True)
+        context.Process(
+            target=_rank_main, args=(rank, env, timeout, linger, fn, args, results, between), daemon=True
+        )
         for rank in range(world_size)
     ]
     end = time.monotonic() + deadline
     for proc in procs:
         proc.start()
-    return Started(procs, results, end)
+    return Started(procs, results, end, between)
 
 
 def _rank_server() -> mp.context.BaseContext:
@@ -168,13 +172,39 @@ class Printed:
 def command(rank: int, world_size: int, argv: list[str]) -> Printed:
     """``python -m pipeclock ARGV`` on this rank (``pipeclock.cli.main``), as torchrun would start it but
     without torchrun's agent: for a job whose test needs the command, not the launcher (its restarts, its
-    signals). Run it with ``start_ranks(command, world, argv)``."""
+    signals). Run it with ``start_ranks(command, world, argv)``.
+
+    Commands run one after another on the same ranks start together: a command leaves its process group
+    (``comms.shutdown``) and the next one forms a new one at the same address, so a rank that began the
+    next one while a peer still finished the last would meet that peer's old store and group. Every rank
+    waits for the others to end the previous command first (`between_commands`)."""
     from pipeclock import cli
 
+    global _commands_run
+    if _commands_run:
+        between_commands()
+    _commands_run += 1
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(list(argv))
     return Printed(code, out.getvalue(), err.getvalue())
+
+
+_between = None  # this rank's barrier with its peers (`start_ranks`), outside any process group
+_between_timeout = 120.0
+_commands_run = 0  # the commands this rank has run
+
+
+def between_commands() -> None:
+    """Wait until every rank of this launch is here (each has ended its previous command); a peer that
+    never comes (it failed or hangs) is an error after the launch's timeout, never a hang."""
+    try:
+        _between.wait(_between_timeout)
+    except threading.BrokenBarrierError:
+        raise RanksFailed(
+            f"rank {os.environ['RANK']}: the other ranks did not end their command within "
+            f"{_between_timeout:g}s, so the next one cannot start together"
+        ) from None
 
 
 def printed(job: Started) -> str:
@@ -220,9 +250,11 @@ def _collect(procs: list, results, deadline: float) -> dict[int, RankOutcome]:
     return outcomes
 
 
-def _rank_main(rank: int, env: dict, timeout: float, linger: bool, fn, args, results) -> None:
+def _rank_main(rank: int, env: dict, timeout: float, linger: bool, fn, args, results, between) -> None:
+    global _between, _between_timeout
     os.environ.clear()  # the caller's environment, not the one the rank server started with
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=env["WORLD_SIZE"])
+    _between, _between_timeout = between, timeout
     from pipeclock import comms
 
     start = time.monotonic()

@@ -231,3 +231,30 @@ def test_an_interrupt_names_the_step_the_rank_is_in():
     assert seen.where() == "at step 10"  # in step 10, perhaps still in its optimizer step
     seen(10, 0.5)
     assert seen.where() == "at step 11"
+
+
+def two_trains_rank_0_slow_to_leave_the_first(rank: int, world: int) -> list[tuple[int, str]]:
+    """Two ``train`` commands in a row on the same ranks; rank 0 leaves the first one's process group
+    two seconds after rank 1 has left it (as a rank still writing its outputs does)."""
+    import time
+
+    from pipeclock import comms
+    from tests.distributed import command
+
+    leave = comms.shutdown
+    if rank == 0:
+        comms.shutdown = lambda: (time.sleep(2), leave())[1]
+    argv = ["train", "--hidden", "8", "--layers", "2", "--steps", "2", "--batch-size", "4", "--timeout", "20"]
+    try:
+        first = command(rank, world, argv)
+    finally:
+        comms.shutdown = leave
+    second = command(rank, world, argv)
+    return [(first.code, first.err), (second.code, second.err)]
+
+
+def test_commands_run_in_a_row_on_the_same_ranks_start_each_one_together():
+    from tests.distributed import run_ok
+
+    for rank, ran in enumerate(run_ok(two_trains_rank_0_slow_to_leave_the_first, 2, deadline=DEADLINE)):
+        assert ran == [(0, ""), (0, "")], (rank, ran)

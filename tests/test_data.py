@@ -184,7 +184,7 @@ def bad_folders(prepared, tmp) -> dict[str, list[str]]:
     (short / "train_0001.bin").write_bytes((short / "train_0001.bin").read_bytes()[:-6])
     for path in outside.glob("train_*.bin"):
         np.full(path.stat().st_size // 2, 400, dtype="<u2").tofile(path)
-    prepare([str(write_jsonl(tmp / "one.jsonl", documents(5)))], wide, validation_fraction=0.0)
+    prepare([str(write_jsonl(tmp / "one.jsonl", documents(5)))], wide, validation_fraction=0.001)  # none
     from tests.hf_cases import llama_config
 
     config = llama_config(layers=2)

@@ -10,6 +10,9 @@ Real gloo processes, one launch per stage count, with every case of that stage c
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,39 +125,68 @@ def microbatch_counts(p: int) -> list[int]:
     return sorted({1, 2, 3, p, 2 * p + 1})
 
 
-def build(model_kind: str, rank: int, p: int, chunks: int, placement: str = "loop"):
-    """(this rank's modules, the one-process reference, input width, output width)."""
+def whole_model(model_kind: str) -> tuple[nn.Module, int, int]:
+    """The one-process reference of ``model_kind``, with its input and output widths."""
     if model_kind in ("mlp", "wide"):
         width = WIDE if model_kind == "wide" else 8
-        parts = ShardedMLP.for_rank(width, 16, rank, p, chunks, seed=5, placement=placement)
-        return parts, ShardedMLP(width, 16, seed=5), width, width
+        return ShardedMLP(width, 16, seed=5), width, width
+    make = {"sequential": varied_sequential, "inplace": inplace_sequential}[model_kind]
+    return make(), 6, (3 if model_kind == "sequential" else 6)
+
+
+def build(model_kind: str, rank: int, p: int, chunks: int, placement: str = "loop"):
+    """(this rank's modules, the one-process reference, input width, output width)."""
+    reference, width_in, width_out = whole_model(model_kind)
+    if model_kind in ("mlp", "wide"):
+        parts = ShardedMLP.for_rank(width_in, 16, rank, p, chunks, seed=5, placement=placement)
+        return parts, reference, width_in, width_out
     make = {"sequential": varied_sequential, "inplace": inplace_sequential}[model_kind]
     parts = split_sequential(make(), rank, p, chunks, placement=placement)
-    width_out = 3 if model_kind == "sequential" else 6
-    return (parts if chunks > 1 else [parts]), make(), 6, width_out
+    return (parts if chunks > 1 else [parts]), reference, width_in, width_out
 
 
 def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def one_case(rank: int, p: int, name: str, chunks: int, m: int, batch: int, model_kind: str) -> float:
-    """Worst relative gap (loss and every gradient) between the pipeline and the reference."""
-    placement = "v" if name in V_PLACED else "loop"
-    modules, reference, width_in, width_out = build(model_kind, rank, p, chunks, placement)
+@functools.cache
+def pristine(model_kind: str, rank: int, p: int, chunks: int, placement: str) -> list[nn.Module]:
+    """This rank's modules as built, kept unused: each case runs on a fresh copy (no gradients, no
+    hooks), without building them again (the layers' seeded initialisation costs more than a step)."""
+    return build(model_kind, rank, p, chunks, placement)[0]
+
+
+@functools.cache
+def one_process(model_kind: str, m: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, float, dict]:
+    """The batch of a case, and the whole model's loss and gradients on it, on one process: what every
+    schedule, placement and chunk count with this model, m and batch must reproduce (computed once).
+    Each gradient comes with its largest magnitude, the scale its differences are measured against."""
+    reference, width_in, width_out = whole_model(model_kind)
     generator = torch.Generator().manual_seed(batch * 31 + m)
     inputs, targets = (
         torch.randn(batch, width_in, generator=generator),
         torch.randn(batch, width_out, generator=generator),
     )
-    loss = schedule.Pipeline(modules, name, m, F.mse_loss).step(inputs, targets)
     want_loss = F.mse_loss(reference(inputs), targets)
     want_loss.backward()
-    wanted = dict(reference.named_parameters())
-    gaps = [abs(loss - want_loss.item()) / abs(want_loss.item())]
+    grads = {
+        name: (param.grad, param.grad.abs().max().clamp_min(1e-12))
+        for name, param in reference.named_parameters()
+    }
+    return inputs, targets, want_loss.item(), grads
+
+
+def one_case(rank: int, p: int, name: str, chunks: int, m: int, batch: int, model_kind: str) -> float:
+    """Worst relative gap (loss and every gradient) between the pipeline and the reference."""
+    placement = "v" if name in V_PLACED else "loop"
+    modules = copy.deepcopy(pristine(model_kind, rank, p, chunks, placement))
+    inputs, targets, want_loss, wanted = one_process(model_kind, m, batch)
+    loss = schedule.Pipeline(modules, name, m, F.mse_loss).step(inputs, targets)
+    gaps = [abs(loss - want_loss) / abs(want_loss)]
     for module in modules:
         for param_name, param in module.named_parameters():
-            gaps.append(relative_gap(param.grad, wanted[param_name].grad))
+            want, scale = wanted[param_name]  # relative_gap's, the reference's largest value computed once
+            gaps.append(((param.grad - want).abs().max() / scale).item())
     return max(gaps)
 
 

@@ -60,6 +60,8 @@ def _cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("`prepare` into a folder that is not empty", ["prepare", str(tmp / "doc.txt"), "--output", tokens]),
         ("`prepare` of an input that does not exist",
          ["prepare", str(tmp / "absent.txt"), "--output", str(tmp / "out")]),
+        ("`prepare --validation-fraction 0` (train needs a validation split)",
+         ["prepare", str(tmp / "doc.txt"), "--output", str(tmp / "out"), "--validation-fraction", "0"]),
     ]  # fmt: skip
 
 
@@ -167,6 +169,7 @@ def test_each_names_the_path_or_flag_at_fault(printed):
         "--token-dtype": "dataset.json's dtype uint16",
         "not empty": "the folder is not empty",
         "does not exist": "no such file or folder",
+        "--validation-fraction 0": "train --data needs a validation split: give a fraction above 0",
     }
     for usage, _, _, stderr in printed:
         for key, words in wanted.items():

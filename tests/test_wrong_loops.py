@@ -226,3 +226,18 @@ def test_a_quick_wrong_loop_is_refused_with_its_cause_first(name):
 def test_each_wrong_loop_is_refused_with_its_cause_first(name):
     line = first_line(name)
     assert starts(line, FIRST_LINES[name][1]), line
+
+
+@pytest.mark.long
+def test_a_loop_that_raises_while_its_order_is_right_so_far_is_told_what_the_schedule_runs_next():
+    """The 1F1B warm-up in an interleaved loop pops a forward it never ran: the exception comes before
+    any action out of order, so the verdict cannot blame the order, but says what the schedule runs there."""
+    with pytest.raises(Verdict) as raised:
+        check(7, WRONG / "interleaved_warms_up_like_1f1b.py")
+    first, second = str(raised.value).splitlines()[:2]
+    assert starts(first, FIRST_LINES["interleaved_warms_up_like_1f1b"][1]), first
+    assert starts(
+        second,
+        "  until then rank 0 followed the order of interleaved 1F1B, p = 2, v = 2, m = 1 (F0); the schedule "
+        "runs F0.1 next (warm-up 2(p − r − 1) + (v − 1)p = 4 forwards",
+    ), second

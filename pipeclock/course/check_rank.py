@@ -53,6 +53,7 @@ class Fault:
     when: float
     text: str
     symptom: bool = False
+    raised: bool = False  # the learner's own code raised it: the verdict adds where the order stood
 
     @property
     def order(self) -> tuple:
@@ -100,9 +101,9 @@ class RankCheck:
                 f"virtual stage {stage} is rank {owner}'s{ring}",
             )
 
-    def fault(self, tier: int, text: str, symptom: bool = False) -> None:
+    def fault(self, tier: int, text: str, symptom: bool = False, raised: bool = False) -> None:
         symptom = symptom or tier >= RESULT
-        found = Fault(self.rank, self.case, tier, time.monotonic(), text, symptom)
+        found = Fault(self.rank, self.case, tier, time.monotonic(), text, symptom, raised)
         self.events.put(("fault", self.rank, self.case, found))
 
     def _computed(self, action) -> None:
@@ -230,7 +231,9 @@ class RankCheck:
             asked = self.asked_for_another() if isinstance(error, ShapeMismatchError) else None
             if asked:
                 self.fault(CAUSE, asked, True)  # a wrong order, when one is seen, says it first
-            self.fault(tier, f"rank {self.rank} {describe_exception(error, self.learner)}")
+            self.fault(
+                tier, f"rank {self.rank} {describe_exception(error, self.learner)}", raised=tier == CAUSE
+            )
             leave(self.events, 1)
 
     def asked_for_another(self) -> str | None:

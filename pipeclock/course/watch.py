@@ -131,7 +131,12 @@ class Watch:
         found = divergence(self.lab_of(m), self.ran(m), complete=False, ended=ended)
         if found and first.symptom:  # the order is the cause, what was seen follows from it
             return f"wrong order: {found[1]}\n  what followed, with {self.world} ranks: {first.text}"
-        return text + (f"\n  it follows from the order: {found[1]}" if found else "")
+        if found:
+            return text + f"\n  it follows from the order: {found[1]}"
+        followed = (
+            so_far(self.lab_of(m), first.rank, self.ran(m).get(first.rank, [])) if first.raised else None
+        )
+        return text + (f"\n  {followed}" if followed else "")
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,20 @@ class _Nowhere:
     """The case of a fault that no rank's case names (an order found by the watcher, a lost process)."""
 
     m: int
+
+
+def so_far(lab: Lab, rank: int, done: list[Action]) -> str | None:
+    """Where ``rank``'s order stood when its own code raised, while it still followed the schedule: the
+    exception came before the loop computed anything out of order, so the order cannot be blamed, but
+    what the schedule runs next (and why) is often what the loop was not about to do."""
+    want = lab.rows()[rank]
+    if not done or done != want[: len(done)] or len(done) >= len(want):
+        return None  # nothing computed yet (an unwritten exercise), or the order already left
+    ran, k = " ".join(map(str, done)), len(done)
+    return (
+        f"until then rank {rank} followed the order of {lab.title} ({ran}); the schedule runs {want[k]} next "
+        f"({lab.why(rank, k)})"
+    )
 
 
 def beside(lab: Lab, yours: list[list[Action]]) -> list[str]:

@@ -97,8 +97,13 @@ def prepare(
 
     On any error the folder is left as it was found (removed when this call made it).
     """
-    if not 0.0 <= validation_fraction < 1.0:
-        raise PrepareError(f"--validation-fraction must be in [0, 1), got {validation_fraction}")
+    if validation_fraction == 0.0:
+        raise PrepareError(
+            "--validation-fraction 0 holds out no document, and train --data needs a validation split: "
+            "give a fraction above 0 (the default is 0.01)"
+        )
+    if not 0.0 < validation_fraction < 1.0:
+        raise PrepareError(f"--validation-fraction must be in (0, 1), got {validation_fraction}")
     if workers < 1 or shard_tokens < 1:
         raise PrepareError(f"--workers must be at least 1, got {workers}")
     files = documents.input_files(inputs)
