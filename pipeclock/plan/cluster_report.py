@@ -17,7 +17,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
     network = f"{kind.inter_node_bandwidth * 8 / 1e9:g} Gb/s per GPU between nodes"
     kernels = ("fused" if software.fused else "eager") + " kernels" + (
         ", tp overlapped" if software.tp_overlap else ""
-    )  # fmt: skip
+    ) + (", tp backward overlapped" if software.tp_backward_overlap else "")  # fmt: skip
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
     lines = [
