@@ -321,6 +321,8 @@ FITTED = (
     "ELEMENTWISE_PASSES_FUSED",
     "FP8_SHARE",
     "ALLOCATOR_SLACK",
+    "A100_GEMM_HALF_SIZE",
+    "H100_GEMM_HALF_SIZE",
 )
 # The GPU kinds whose products' efficiency is a fitted constant of their own (others: the spec file's).
 KIND_CONSTANTS = {
@@ -367,6 +369,8 @@ def current() -> dict:
         "ELEMENTWISE_PASSES_FUSED": calibration.ELEMENTWISE_PASSES["fused"],
         "FP8_SHARE": calibration.FP8_SHARE,
         "ALLOCATOR_SLACK": calibration.ALLOCATOR_SLACK,
+        "A100_GEMM_HALF_SIZE": calibration.A100_GEMM_HALF_SIZE,
+        "H100_GEMM_HALF_SIZE": calibration.H100_GEMM_HALF_SIZE,
     }
 
 
@@ -376,6 +380,8 @@ def apply(values: dict) -> None:
     calibration.FP8_SHARE = values["FP8_SHARE"]
     calibration.ATTENTION_SHARE = values["ATTENTION_SHARE"]
     calibration.ALLOCATOR_SLACK = values["ALLOCATOR_SLACK"]
+    calibration.A100_GEMM_HALF_SIZE = values["A100_GEMM_HALF_SIZE"]
+    calibration.H100_GEMM_HALF_SIZE = values["H100_GEMM_HALF_SIZE"]
 
 
 # --- the table -------------------------------------------------------------------------------------

@@ -47,16 +47,18 @@ def test_without_tensor_parallel_the_backward_overlap_changes_nothing():
 def test_a_products_share_rises_with_its_weights_shorter_side_and_is_the_constant_at_the_reference(
     monkeypatch,
 ):
-    monkeypatch.setattr(calibration, "GEMM_HALF_SIZE", 300.0)
-    reference = calibration.GEMM_REFERENCE_SIDE
-    assert gemm_efficiency.size_factor(reference, 8 * reference) == pytest.approx(1.0)
+    monkeypatch.setattr(calibration, "A100_GEMM_HALF_SIZE", 300.0)
+    half, reference = gemm_efficiency.half_size("A100-80GB"), calibration.GEMM_REFERENCE_SIDE
+    assert half == 300.0
+    assert gemm_efficiency.size_factor(reference, 8 * reference, half) == pytest.approx(1.0)
     sides = (256, 768, 2048, 6144, 25600)
-    factors = [gemm_efficiency.size_factor(side, 65536) for side in sides]
+    factors = [gemm_efficiency.size_factor(side, 65536, half) for side in sides]
     assert factors == sorted(factors) and len(set(factors)) == len(factors)
-    assert factors[-1] < (reference + 300.0) / reference
-    assert gemm_efficiency.size_factor(768, 8192) == gemm_efficiency.size_factor(8192, 768)
+    assert factors[-1] < (reference + half) / reference
+    assert gemm_efficiency.size_factor(768, 8192, half) == gemm_efficiency.size_factor(8192, 768, half)
 
 
 def test_with_no_half_size_every_product_reaches_its_kinds_constant(monkeypatch):
-    monkeypatch.setattr(calibration, "GEMM_HALF_SIZE", 0.0)
-    assert {gemm_efficiency.size_factor(k, 9) for k in (16, 2048, 10**6)} == {1.0}
+    monkeypatch.setattr(calibration, "H100_GEMM_HALF_SIZE", 0.0)
+    half = gemm_efficiency.half_size("H100-80GB")
+    assert {gemm_efficiency.size_factor(k, 9, half) for k in (16, 2048, 10**6)} == {1.0}

@@ -129,7 +129,7 @@ def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: 
         n = activations.output_width(model, gemm, tp, sp=False)
     flops = 2.0 * tokens * k * n * gemm.count
     moved = (tokens * (k + n) * gemm.count + k * n * min(gemm.count, model.experts or 1)) * a
-    share = gemm_efficiency.size_factor(k, n)
+    share = gemm_efficiency.size_factor(k, n, gemm_efficiency.half_size(rates.gpu.name))
     return flops / (rates.gemm * share) + moved / rates.memory
 
 
