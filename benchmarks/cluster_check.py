@@ -267,7 +267,7 @@ def a100_rows() -> list[Row]:
     result = []
     for run in published_a100.runs():
         software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention,
-                            gradients=run.gradients)  # fmt: skip
+                            gradients=run.gradients, tp_backward_overlap=run.tp_backward_overlap)  # fmt: skip
         cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
         model, fixed = published_a100.paper(run), parse_fix(run.fix)
         result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,
@@ -325,6 +325,8 @@ FITTED = (
     "ELEMENTWISE_PASSES_FUSED",
     "FP8_SHARE",
     "ALLOCATOR_SLACK",
+    "A100_GEMM_HALF_SIZE",
+    "H100_GEMM_HALF_SIZE",
 )
 FP8_KEY = "H100_FP8_GEMM_EFFICIENCY"
 # The GPU kinds whose products' efficiency is a fitted constant of their own (others: the spec file's).
@@ -373,6 +375,8 @@ def current() -> dict:
         "FP8_SHARE": calibration.FP8_SHARE,
         "ALLOCATOR_SLACK": calibration.ALLOCATOR_SLACK,
         FP8_KEY: calibration.H100_FP8_GEMM_EFFICIENCY,
+        "A100_GEMM_HALF_SIZE": calibration.A100_GEMM_HALF_SIZE,
+        "H100_GEMM_HALF_SIZE": calibration.H100_GEMM_HALF_SIZE,
     }
 
 
@@ -382,6 +386,8 @@ def apply(values: dict) -> None:
     calibration.FP8_SHARE = values["FP8_SHARE"]
     calibration.ATTENTION_SHARE = values["ATTENTION_SHARE"]
     calibration.ALLOCATOR_SLACK = values["ALLOCATOR_SLACK"]
+    calibration.A100_GEMM_HALF_SIZE = values["A100_GEMM_HALF_SIZE"]
+    calibration.H100_GEMM_HALF_SIZE = values["H100_GEMM_HALF_SIZE"]
 
 
 # --- the table -------------------------------------------------------------------------------------

@@ -70,13 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--cluster: what the framework keeps of each gradient: fp32 (Megatron-LM, FSDP; the default), "
         "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
     )  # fmt: skip
+    group.add_argument(
+        "--tp-backward-overlap", action="store_true",
+        help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
+        "async all-reduce)",
+    )  # fmt: skip
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
     """The cluster's own options mean nothing to the measured planner: one line says so."""
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
-                          ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients)):  # fmt: skip
+                          ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
+                          ("--tp-backward-overlap", args.tp_backward_overlap)):  # fmt: skip
         if given:
             raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
 
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, spec)
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
-    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32")
+    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
+                        tp_backward_overlap=args.tp_backward_overlap)  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 # charged on top, at the memory's bandwidth): a GPU kind's own figure. Fitted on Megatron-LM's H100 runs
 # and on published A100 runs (docs/cluster.md names them); the kinds without published runs take the H100's.
 H100_GEMM_EFFICIENCY = 0.582
-A100_GEMM_EFFICIENCY = 0.617
+A100_GEMM_EFFICIENCY = 0.600
 GEMM_EFFICIENCY = H100_GEMM_EFFICIENCY
 # The attention kernel's speed (flash-style, causal: only the unmasked half) as a share of the products'.
 ATTENTION_SHARE = 0.552
@@ -34,3 +34,10 @@ TP_OVERLAP_HIDDEN = 0.7
 # whatever the model (CUDA context, the collectives' buffers, library workspaces).
 ALLOCATOR_SLACK = 0.094
 RUNTIME_BYTES = 2 * 2**30
+# A matrix product's share of the peak grows with its weight's shorter side d (on one tp rank) as
+# d / (d + the kind's half size), relative to a weight whose shorter side is GEMM_REFERENCE_SIDE
+# (`pipeclock.plan.gemm_efficiency`); 0 makes every product the kind's constant. Fitted on the A100's
+# rows; the H100's is not yet adopted (docs/cluster.md gives what 700 does to its rows).
+A100_GEMM_HALF_SIZE = 700.0
+H100_GEMM_HALF_SIZE = 0.0
+GEMM_REFERENCE_SIDE = 2048

@@ -35,13 +35,18 @@ class Software:
     parallel's collectives overlapped with the matrix products (torchtitan's AsyncTP, Megatron-LM's
     ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them. ``attention``: a flash-style
     kernel, or the score matrix materialized as runs before 2023 did (`pipeclock.plan.attention_core`).
-    ``gradients``: what the framework keeps of each gradient (`GRADIENTS`)."""
+    ``gradients``: what the framework keeps of each gradient (`GRADIENTS`).
+    ``tp_backward_overlap``: the backward's collective of each column-parallel product's input gradient
+    (all-reduce, or with sequence parallel reduce-scatter) runs while that product's weight gradient
+    computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
+    allreduce`` turns it off); hidden up to those weight gradients' time."""
 
     dtype: str = "bf16"
     fused: bool = False
     tp_overlap: bool = False
     attention: str = "flash"
     gradients: str = "fp32"
+    tp_backward_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -15,9 +15,13 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
     kind, unit = cluster.kind, _unit(model)
     link = f"{kind.intra_node_link} {kind.intra_node_bandwidth / 1e9:g} GB/s inside a node"
     network = f"{kind.inter_node_bandwidth * 8 / 1e9:g} Gb/s per GPU between nodes"
-    kernels = ("fused" if software.fused else "eager") + " kernels" + (
-        ", tp overlapped" if software.tp_overlap else ""
-    ) + (", bf16 gradients beside fp32" if software.gradients != "fp32" else "")  # fmt: skip
+    kernels = (
+        ("fused" if software.fused else "eager")
+        + " kernels"
+        + (", tp overlapped" if software.tp_overlap else "")
+        + (", bf16 gradients beside fp32" if software.gradients != "fp32" else "")
+        + (", tp backward overlapped" if software.tp_backward_overlap else "")
+    )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
     lines = [

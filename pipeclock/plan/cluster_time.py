@@ -2,15 +2,17 @@
 
 One micro-batch through one layer on one GPU costs, forward:
 
-- the matrix products: FLOPs at the GPU kind's ``gemm_efficiency`` of the dense peak, plus their operands'
-  trip through memory at the memory's bandwidth (what makes small products less efficient than large);
+- the matrix products: FLOPs at the GPU kind's ``gemm_efficiency`` of the dense peak (scaled by each
+  product's size, `pipeclock.plan.gemm_efficiency`), plus their operands' trip through memory at the
+  memory's bandwidth (what makes small products less efficient than large);
 - attention: its FLOPs (the causal half) at ``ATTENTION_SHARE`` of the products' speed;
 - the elementwise operations: ``ELEMENTWISE_PASSES`` times the bytes the layer keeps, through memory;
 - tensor parallel: two collectives of the layer's activations (all-reduces, or with sequence parallel an
   all-gather and a reduce-scatter each) on the node's link; hidden in part when the run overlaps them.
 
 The backward costs twice the products and the elementwise work, 2.5 times attention (its kernel computes
-five products for the forward's two), the same collectives again, and whatever recompute runs again;
+five products for the forward's two), the same collectives again (less what runs under the weight
+gradients when ``Software.tp_backward_overlap``), and whatever recompute runs again;
 split into I and W, W is the weight-gradient products alone. A stage's action is its layers' sum, the
 embedding on the first stage and the head and loss on the last. The pipeline's step is then what
 ``pipeclock.observe.simulate`` makes of the schedule's program with these costs and the stage-to-stage
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeclock.plan import activations, attention_core, calibration, experts, zero3_time
+from pipeclock.plan import activations, attention_core, calibration, experts, gemm_efficiency, zero3_time
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import layer_parameters_per_gpu, placement_for, stage_layers
 from pipeclock.plan.gpus import GpuKind
@@ -99,7 +101,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
         "selective-op": elementwise + sum(seconds for g, seconds in each if not g.kept),
         "full": forward,
     }[config.recompute]
-    backward = products + 2.5 * attention + 2 * (elementwise + scores) + collectives + again
+    exposed = collectives - _backward_hidden(collectives, each, software)
+    backward = products + 2.5 * attention + 2 * (elementwise + scores) + exposed + again
     return LayerTime(
         forward=forward,
         input_grad=backward + exchange.backward,
@@ -111,6 +114,14 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     )
 
 
+def _backward_hidden(collectives: float, each: list, software: Software) -> float:
+    """What of the backward's tp collectives runs under the column-parallel products' weight gradients
+    (``Software.tp_backward_overlap``): at most those products' time, which equals their forward's."""
+    if not software.tp_backward_overlap:
+        return 0.0
+    return min(collectives, sum(seconds for gemm, seconds in each if gemm.split == "n"))
+
+
 def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: Rates) -> float:
     k, n = gemm.k, gemm.n
     if gemm.split == "k":
@@ -119,7 +130,8 @@ def _gemm_seconds(gemm, tokens: int, model: PaperModel, tp: int, a: int, rates: 
         n = activations.output_width(model, gemm, tp, sp=False)
     flops = 2.0 * tokens * k * n * gemm.count
     moved = (tokens * (k + n) * gemm.count + k * n * min(gemm.count, model.experts or 1)) * a
-    return flops / rates.gemm + moved / rates.memory
+    share = gemm_efficiency.size_factor(k, n, gemm_efficiency.half_size(rates.gpu.name))
+    return flops / (rates.gemm * share) + moved / rates.memory
 
 
 def _tp_collective(model: PaperModel, config: Config, tokens: int, software: Software, rates: Rates) -> float:
