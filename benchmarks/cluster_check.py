@@ -267,7 +267,8 @@ def a100_rows() -> list[Row]:
     result = []
     for run in published_a100.runs():
         software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention,
-                            gradients=run.gradients, tp_backward_overlap=run.tp_backward_overlap)  # fmt: skip
+                            gradients=run.gradients, tp_backward_overlap=run.tp_backward_overlap,
+                            deepspeed=run.deepspeed)  # fmt: skip
         cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
         model, fixed = published_a100.paper(run), parse_fix(run.fix)
         result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,
@@ -327,6 +328,7 @@ FITTED = (
     "ALLOCATOR_SLACK",
     "A100_GEMM_HALF_SIZE",
     "H100_GEMM_HALF_SIZE",
+    "DEEPSPEED_SHARE",
 )
 FP8_KEY = "H100_FP8_GEMM_EFFICIENCY"
 # The GPU kinds whose products' efficiency is a fitted constant of their own (others: the spec file's).
@@ -377,6 +379,7 @@ def current() -> dict:
         FP8_KEY: calibration.H100_FP8_GEMM_EFFICIENCY,
         "A100_GEMM_HALF_SIZE": calibration.A100_GEMM_HALF_SIZE,
         "H100_GEMM_HALF_SIZE": calibration.H100_GEMM_HALF_SIZE,
+        "DEEPSPEED_SHARE": calibration.DEEPSPEED_SHARE,
     }
 
 
@@ -388,6 +391,7 @@ def apply(values: dict) -> None:
     calibration.ALLOCATOR_SLACK = values["ALLOCATOR_SLACK"]
     calibration.A100_GEMM_HALF_SIZE = values["A100_GEMM_HALF_SIZE"]
     calibration.H100_GEMM_HALF_SIZE = values["H100_GEMM_HALF_SIZE"]
+    calibration.DEEPSPEED_SHARE = values["DEEPSPEED_SHARE"]
 
 
 # --- the table -------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def rows(row_type) -> list:
         tokens = tflops * 1e12 / paper_flops_per_token()
         name = f"ZeRO-3 174.6B, {tflops} TFLOP/s by its count"
         cluster = Cluster(gpus, KINDS["A100-80GB"])
-        software = Software("bf16", fused=True)
+        software = Software("bf16", fused=True, attention="materialized", deepspeed=True)  # DeepSpeed, 2021
         result.append(row_type(SOURCE, name, model, cluster, Job(BATCH, SEQ), software, fixed, tokens, None,
                                None, "check"))  # fmt: skip
     return result

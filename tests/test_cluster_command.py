@@ -172,6 +172,7 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--gradients", "fp16"],
          "argument --gradients: invalid choice: 'fp16' (choose from 'fp32', 'bf16+fp32')"),
         (["--params", "1e9", "--tp-backward-overlap"], "--tp-backward-overlap plans a cluster on paper"),
+        (["--params", "1e9", "--deepspeed"], "--deepspeed plans a cluster on paper"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],

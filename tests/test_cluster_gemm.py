@@ -62,3 +62,13 @@ def test_with_no_half_size_every_product_reaches_its_kinds_constant(monkeypatch)
     monkeypatch.setattr(calibration, "H100_GEMM_HALF_SIZE", 0.0)
     half = gemm_efficiency.half_size("H100-80GB")
     assert {gemm_efficiency.size_factor(k, 9, half) for k in (16, 2048, 10**6)} == {1.0}
+
+
+def test_a_deepspeed_run_computes_its_products_at_the_named_share_and_nothing_else_changes():
+    config, job = Config(2, 1, 1, "1f1b", 1, 1, 1, "none", 0, False), Job(1, 2048)
+    plain, deepspeed = Software("bf16", fused=True), Software("bf16", fused=True, deepspeed=True)
+    before = layer_time(GPT, config, job, plain, Rates(A100, plain))
+    after = layer_time(GPT, config, job, deepspeed, Rates(A100, deepspeed))
+    assert Rates(A100, deepspeed).gemm == pytest.approx(Rates(A100, plain).gemm * calibration.DEEPSPEED_SHARE)
+    assert after.weight_grad > before.weight_grad  # the products alone slow down
+    assert after.tp == before.tp

@@ -102,28 +102,23 @@ def test_without_sequence_parallel_a_stage_sends_its_tp_share_and_gathers_the_re
 
 
 # the runs whose search takes under a second (the 310B, 530B and 1T GPTs of Table 1 take seconds each),
-# with the bound each is held to: the target, 10 %, for Megatron-LM's own runs; the runs on DeepSpeed's
-# pipeline engine (BLOOM, MT-NLG) published less than Megatron-LM's on the same GPUs and models, and the
-# planner, which models Megatron-LM's, is held to their being slower than it says by under 30 %
-# (docs/cluster.md says why)
+# each held to the target, 10 %: Megatron-LM's own runs, and DeepSpeed's (BLOOM, MT-NLG), which take
+# `DEEPSPEED_SHARE` (fitted on MT-NLG's 350-server run, checked on these)
 QUICK = {"GPT 1.7B": 0.10, "GPT 18.4B": 0.10, "GPT 145.6B": 0.10, "GPT 22B, full recompute": 0.10,
-         "GPT 22B, sp + selective": 0.10}  # fmt: skip
-DEEPSPEED = ("tp 4 x pp 12 x dp 8", "280 DGX servers", "420 DGX servers")
+         "GPT 22B, sp + selective": 0.10, "tp 4 x pp 12 x dp 8": 0.10, "280 DGX servers": 0.10,
+         "420 DGX servers": 0.10}  # fmt: skip
 
 
 def test_the_published_a100_runs_are_predicted_within_the_target():
     from benchmarks import cluster_check
 
-    rows = [row for row in cluster_check.a100_rows() if row.name in QUICK or row.name in DEEPSPEED]
-    assert sorted(row.name for row in rows) == sorted([*QUICK, *DEEPSPEED])
+    rows = [row for row in cluster_check.a100_rows() if row.name in QUICK]
+    assert sorted(row.name for row in rows) == sorted(QUICK)
     for row in rows:
         row.predicted = cluster_check.predict(row)
         speed, _ = cluster_check.errors(row)
         assert row.predicted["fits"], f"{row.source} {row.name} fits as it ran"
-        if row.name in QUICK:
-            assert abs(speed) <= QUICK[row.name], f"{row.source} {row.name}: {speed:+.1%}"
-        else:
-            assert 0 < speed < 0.30, f"{row.source} {row.name}: {speed:+.1%}"
+        assert abs(speed) <= QUICK[row.name], f"{row.source} {row.name}: {speed:+.1%}"
 
 
 POLICIES = ("full recompute", "sp + selective")  # Korthikanti et al.'s two columns, as the rows name them

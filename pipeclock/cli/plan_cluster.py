@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
         "async all-reduce)",
     )  # fmt: skip
+    group.add_argument(
+        "--deepspeed", action="store_true",
+        help="--cluster: a DeepSpeed run (its pipeline engine, its ZeRO): its products at the share of "
+        "Megatron-LM's speed that published runs show (docs/cluster.md)",
+    )  # fmt: skip
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
@@ -82,7 +87,8 @@ def refuse_without_cluster(args: argparse.Namespace) -> None:
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
                           ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
-                          ("--tp-backward-overlap", args.tp_backward_overlap)):  # fmt: skip
+                          ("--tp-backward-overlap", args.tp_backward_overlap),
+                          ("--deepspeed", args.deepspeed)):  # fmt: skip
         if given:
             raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
 
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
     software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
-                        tp_backward_overlap=args.tp_backward_overlap)  # fmt: skip
+                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed)  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

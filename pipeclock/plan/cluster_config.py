@@ -39,7 +39,9 @@ class Software:
     ``tp_backward_overlap``: the backward's collective of each column-parallel product's input gradient
     (all-reduce, or with sequence parallel reduce-scatter) runs while that product's weight gradient
     computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
-    allreduce`` turns it off); hidden up to those weight gradients' time."""
+    allreduce`` turns it off); hidden up to those weight gradients' time.
+    ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
+    others' reach."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -47,6 +49,7 @@ class Software:
     attention: str = "flash"
     gradients: str = "fp32"
     tp_backward_overlap: bool = False
+    deepspeed: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

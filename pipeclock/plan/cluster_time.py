@@ -68,9 +68,10 @@ class Rates:
 
     def __init__(self, gpu: GpuKind, software: Software):
         fp8 = software.dtype == "fp8"
-        plain = gpu.peak("fp32" if software.dtype == "fp32" else "bf16") * gpu.gemm_efficiency
+        framework = calibration.DEEPSPEED_SHARE if software.deepspeed else 1.0
+        plain = gpu.peak("fp32" if software.dtype == "fp32" else "bf16") * gpu.gemm_efficiency * framework
         fp8_efficiency = gpu.fp8_gemm_efficiency or gpu.gemm_efficiency * calibration.FP8_SHARE
-        self.gemm = gpu.peak("fp8") * fp8_efficiency if fp8 else plain
+        self.gemm = gpu.peak("fp8") * fp8_efficiency * framework if fp8 else plain
         self.attention = plain * calibration.ATTENTION_SHARE
         self.memory = gpu.memory_bandwidth
         self.a = software.activation_bytes
