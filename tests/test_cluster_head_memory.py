@@ -71,6 +71,7 @@ def measured() -> dict[str, tuple[float, float]]:
     return {"plain": plain, "parallel": parallel}
 
 
+@pytest.mark.long  # about 25 s: fresh processes measured one by one
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's peak resident memory")
 def test_the_loss_keeps_its_fp32_log_probabilities_and_peaks_as_the_planner_counts():
     found = measured()
