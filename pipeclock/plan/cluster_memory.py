@@ -104,14 +104,16 @@ def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple
     result = []
     for rank, actions in enumerate(table):
         live, live_last, most, most_last = 0, 0, 0, 0
+        chunks_last = {c for c in range(len(placement.stages[rank])) if placement.stage(rank, c) == last}
         backward_done = {(a.microbatch, a.chunk): i for i, a in enumerate(actions) if a.op in ("B", "W")}
         for index, action in enumerate(actions):
-            on_last = placement.stage(rank, action.chunk) == last
             if action.op == "F":
-                live, live_last = live + 1, live_last + on_last
+                live += 1
+                live_last += action.chunk in chunks_last
                 most, most_last = max(most, live), max(most_last, live_last)
             elif backward_done.get((action.microbatch, action.chunk)) == index:
-                live, live_last = live - 1, live_last - on_last
+                live -= 1
+                live_last -= action.chunk in chunks_last
         result.append((most, most_last))
     return tuple(result)
 

@@ -158,13 +158,13 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     cached = rates.per_stages.get((key, config.pp, config.chunks))
     if cached is not None:
         return cached
-    ends = _layer_and_ends(model, config, job, software, rates)[1]
+    own, ends = _layer_and_ends(model, config, job, software, rates)  # read once for all the stages
     cuts = stage_layers(model, config)
     costs = []
     for index, cut in enumerate(cuts):
         cost = dict.fromkeys(("F", "I", "W", "xF", "xB"), 0.0)  # xF, xB: inside F, and B or I
         for block, n in blocks(model, cut):
-            layer = _layer_and_ends(block, config, job, software, rates)[0]
+            layer = own if block is model else _layer_and_ends(block, config, job, software, rates)[0]
             cost["F"] += n * layer.forward
             cost["I"] += n * layer.input_grad
             cost["W"] += n * layer.weight_grad
