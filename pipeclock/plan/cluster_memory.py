@@ -174,8 +174,12 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
 
 def _root_parameters(model: PaperModel, tp: int) -> float:
     """The embedding's and the head's parameters on one tp rank (a tied matrix once)."""
-    head = model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)
-    return (model.embedding_parameters() + head) / tp
+    return (model.embedding_parameters() + untied_head_parameters(model)) / tp
+
+
+def untied_head_parameters(model: PaperModel) -> float:
+    """The head's parameters beside the embedding's: without the matrix it shares with it when tied."""
+    return model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)
 
 
 def layer_parameters_per_gpu(model: PaperModel, tp: int) -> float:

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 from pipeclock.plan import activations, attention_core, calibration, experts, gemm_efficiency, zero3_time
 from pipeclock.plan.cluster_config import Config, Job, Software
-from pipeclock.plan.cluster_memory import layer_parameters_per_gpu, placement_for, stage_layers
+from pipeclock.plan.cluster_memory import (
+    layer_parameters_per_gpu,
+    placement_for,
+    stage_layers,
+    untied_head_parameters,
+)
 from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_time import Simulated, _round, simulated
@@ -355,9 +360,8 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
 
 def _unit_parameters(model: PaperModel, config: Config) -> tuple[float, float, float]:
     """The parameters one tp rank gathers for the embedding, for a block and for the head."""
-    norms = 2 * model.norm_parameters()
-    block = (model.layer_parameters() - norms) / config.tp + norms - experts.moved_per_layer(model, config)
-    head = model.head_parameters() - (model.vocab * model.hidden if model.tied else 0)  # tied: gathered
+    block = layer_parameters_per_gpu(model, config.tp) - experts.moved_per_layer(model, config)
+    head = untied_head_parameters(model)  # a tied head is gathered with the embedding
     return model.embedding_parameters() / config.tp, block, head / config.tp
 
 
