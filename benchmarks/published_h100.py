@@ -23,9 +23,25 @@ Sources, every figure quoted as printed:
   CP, VP, GBS, MBS per row and tokens/s per GPU. Its Llama 3.1 405B H100 rows use cp 2 and are left out,
   as are its mixtures (GPT-OSS, Qwen3 MoE: families or token balancing the planner does not model).
 
-What a source does not state (recompute and ZeRO stage of NeMo's runs, sequence parallel, the micro-batch
-of Meta's runs and the chunks of its interleaving) is left to the search. Overlapping tensor parallel's
-collectives is stated in no table: NVIDIA's runs are taken as overlapped (Megatron-Core's
+- What the NVIDIA runs keep in fp8 (`cluster_config.FP8_KEEPS`): Transformer Engine keeps each fp8
+  product's input as its fp8 cast. Megatron-Bridge's H100 FP8-CS configs take
+  ``bf16_with_fp8_current_scaling_mixed`` (``src/megatron/bridge/training/mixed_precision.py``:
+  ``fp8_param_gather = True``, fp8 weights) and set no recompute for the 70B, where they set it for the 8B
+  (``scripts/performance/configs/llama3/workload_base_configs.py`` at tag v0.2.0, 2025-11-26;
+  ``scripts/performance/configs/llama/llama3_workload_base_configs.py`` at v0.3.0; and
+  ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py`` at 067f987d): fp8 weights, recompute none.
+  NeMo's 512-GPU GPT3-175B row is NeMo-Framework-Launcher's ``launcher_scripts/conf/training/gpt3/
+  175b_mlperf.yaml`` (NVIDIA/NeMo-Framework-Launcher, added in 121c975d, 2024-07-18): 64 nodes, tp 4,
+  pp 8, vp 6, MBS 2, GBS 2048, fp8 with no activation checkpointing (``activations_checkpoint_granularity:
+  null``), and ``fp8_params: true`` since 7316a8d9 (2024-09-10, "Update 175B mlperf config", the day after
+  the table's commit). NeMo's other rows state neither; they are taken with fp8 weights too, since NeMo's
+  default (``fp8_params`` off: bf16 weights with TE's fp8 copies beside them) cannot give their published
+  speeds: with it, the planner's best for GPT3-20B on 64 GPUs reads -68 % and GPT3-175B on 128 GPUs
+  must recompute (-8 %).
+
+What a source does not state (recompute and ZeRO stage of NeMo's other runs, sequence parallel, the
+micro-batch of Meta's runs and the chunks of its interleaving) is left to the search. Overlapping tensor
+parallel's collectives is stated in no table: NVIDIA's runs are taken as overlapped (Megatron-Core's
 ``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g. Megatron-Bridge's
 ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with ``--tp-overlap`` the
 planner reads them 3 % and 1 % faster).
@@ -60,6 +76,8 @@ BRIDGE_ROWS = [
     ("26.04", "70b", 64, 256, 1, 0, 4, 8, 5, 1633, "check"),
 ]
 BRIDGE_SEQ = 8192
+# NeMo rows whose launcher config is known (the module's list): (model, GPUs) -> its fixed knobs
+NEMO_KNOWN = {("GPT3-175B", 512): ",recompute=none"}
 # NeMo's configs: (layers, hidden, ffn, heads, kv heads)
 SHAPES = {
     "GPT3-5B": (24, 4096, 16384, 32, 32),
@@ -97,18 +115,22 @@ def rows() -> list:
     for name, gpus, batch, mbs, seq, tp, pp, vp, tokens, role in NEMO_ROWS:
         schedule = ",schedule=1f1b" if pp > 1 else ""
         schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else schedule
-        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{schedule}")
+        known = NEMO_KNOWN.get((name, gpus), "")
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{schedule}{known}")
+        software = Software("fp8", True, True, fp8="te-fp8-params")
         result.append(Row(NEMO, f"{name}, {gpus} GPUs", nemo_model(name, tp, seq), Cluster(gpus, h100),
-                          Job(batch, seq), Software("fp8", True, True), fixed, tokens, None, None,
-                          role))  # fmt: skip
+                          Job(batch, seq), software, fixed, tokens, None, None, role))  # fmt: skip
     for container, size, gpus, batch, mbs, fsdp, tp, pp, vp, tokens, role in BRIDGE_ROWS:
         model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3 {size.upper()}")
         schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else ""
         zero = ",zero=3" if fsdp else ""
-        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{zero}{schedule}")
+        recompute = ",recompute=none" if size == "70b" else ""  # the 8B's recomputes 5 layers of each stage
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{zero}{schedule}"
+                          f"{recompute}")  # fmt: skip
+        software = Software("fp8", True, True, fp8="te-fp8-params")
         result.append(Row(BRIDGE, f"Llama 3 {size.upper()}, {gpus} GPUs, GBS {batch} ({container})", model,
-                          Cluster(gpus, h100), Job(batch, BRIDGE_SEQ), Software("fp8", True, True), fixed,
-                          tokens, None, None, role))  # fmt: skip
+                          Cluster(gpus, h100), Job(batch, BRIDGE_SEQ), software, fixed, tokens, None, None,
+                          role))  # fmt: skip
     return result
 
 

@@ -22,6 +22,13 @@ its input, attention's output and the outputs of every other matrix product in t
 (`PaperModel.gemms`: q, v, gate and down of a Llama layer), and recomputes the rest, the other products
 (k, o, up) and every elementwise operation, in its backward.
 
+Transformer Engine's fp8 (``fp8``, one byte): each fp8 product keeps its input as the fp8 cast it
+multiplied (``_Linear`` and ``_LayerNormLinear`` save ``inputmat`` and ``ln_out`` quantized, a tp rank's
+share of the tokens under sequence parallel), so a norm's output, the MLP's last hidden values and the
+attention output that the output projection reads are kept at one byte; the attention core, still bf16,
+keeps its own bf16 copy of its output, and the norms' inputs and the MLP's first products (what the
+activation function differentiates) stay bf16.
+
 Tensor parallel divides the head-sized and FFN-sized tensors by tp (at least one key/value head per
 rank); sequence parallel divides the width-sized ones too. The ShardedMLP keeps each layer's input and
 its ReLU's output.
@@ -34,17 +41,26 @@ from pipeclock.plan.paper_model import Gemm, PaperModel
 LSE_BYTES = 4  # attention's log-sum-exp, one fp32 per head and token
 
 
-def norm_bytes(model: PaperModel, a: int, fused: bool) -> float:
-    """What one norm keeps per token, in bytes."""
+def norm_bytes(model: PaperModel, a: int, fused: bool, fp8: int | None = None) -> float:
+    """What one norm keeps per token, in bytes; its output, the next product's input, at ``fp8`` bytes an
+    element when that product keeps its input in fp8."""
+    out = a if fp8 is None else fp8
     if fused or model.norm == "layer":
-        return 2.0 * model.hidden * a
-    return model.hidden * (12.0 if a == 4 else 8.0)
+        return model.hidden * (a + out)
+    return model.hidden * ((12.0 if a == 4 else 8.0) - a + out)
 
 
 def layer_bytes(
-    model: PaperModel, recompute: str, a: int, fused: bool = False, tp: int = 1, sp: bool = False
+    model: PaperModel,
+    recompute: str,
+    a: int,
+    fused: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    fp8: int | None = None,
 ) -> float:
-    """Bytes one layer keeps per token from its forward to its backward (see the module's list)."""
+    """Bytes one layer keeps per token from its forward to its backward (see the module's list); ``fp8``:
+    the bytes of an element that a product keeps of its input, when it keeps its fp8 cast (None: ``a``)."""
     h = model.hidden
     width = tp if sp else 1  # what divides the width-sized tensors
     if model.kind == "mlp":
@@ -54,17 +70,20 @@ def layer_bytes(
     kv, q = kv_width(model, tp), model.q_dim / tp
     lse = model.heads / tp * LSE_BYTES
     if recompute == "selective-attention":
-        return layer_bytes(model, "none", a, fused, tp, sp) - lse
+        return layer_bytes(model, "none", a, fused, tp, sp, fp8) - lse
     if recompute == "selective-op":
         kept = sum(output_width(model, g, tp, sp) * g.count for g in model.gemms() if g.kept)
         return (h / width + kept + q) * a + lse
+    last = a if fp8 is None else fp8  # what the last product of the MLP keeps of its input
     attention = (2.0 * q + 2.0 * kv) * a + lse
+    if fp8 is not None:  # the output projection's own fp8 copy of the attention output
+        attention += q * fp8
     routed = model.experts_per_token if model.is_moe else 1
     ffn = model.ffn / tp * routed + model.shared_ffn / tp
-    mlp = (3.0 if fused else 4.0) * ffn * a if model.gated else 2.0 * ffn * a
+    mlp = ((2.0 if fused else 3.0) * a + last) * ffn if model.gated else (a + last) * ffn
     if model.is_moe:
         mlp += model.experts * 4  # the router's fp32 scores
-    return 2.0 * norm_bytes(model, a, fused) / width + attention + mlp
+    return 2.0 * norm_bytes(model, a, fused, fp8) / width + attention + mlp
 
 
 def kv_width(model: PaperModel, tp: int) -> float:

@@ -22,6 +22,14 @@ DTYPES = ("fp32", "bf16", "fp8")
 # (Megatron-LM's main_grad, FSDP's sharded gradient), or the bf16 gradient autograd writes beside an fp32
 # accumulation buffer (DeepSpeed's BF16_Optimizer, which keeps the bf16 ones between micro-batches).
 GRADIENTS = {"fp32": 4, "bf16+fp32": 6}
+# What an fp8 run keeps of its products' operands (`Software.fp8`). torchao's Float8Linear (torchtitan)
+# keeps each product's bf16 input and weight and casts them again in its backward. Transformer Engine keeps
+# each product's input as its fp8 cast, one byte an element (`activations.layer_bytes`), and each weight's
+# fp8 cast with its transpose (Hopper's fp8 products take both operands row-major, so the backward's
+# product needs the transposed copy), cached through the step's micro-batches: beside the bf16 weights
+# ("te"), or in their place when the weights are fp8 themselves ("te-fp8-params": TE's fp8_model_init,
+# Megatron-Core's --fp8-param-gather, NeMo's fp8_params), the fp32 masters staying with the optimizer.
+FP8_KEEPS = ("torchao", "te", "te-fp8-params")
 ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}
 
 
@@ -41,7 +49,7 @@ class Software:
     computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
     allreduce`` turns it off); hidden up to those weight gradients' time.
     ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
-    others' reach."""
+    others' reach. ``fp8``: what an fp8 run keeps of its products' operands (`FP8_KEEPS`)."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -50,6 +58,7 @@ class Software:
     gradients: str = "fp32"
     tp_backward_overlap: bool = False
     deepspeed: bool = False
+    fp8: str = "torchao"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,11 +68,26 @@ class Software:
             raise ValueError(f"unknown attention kernel {self.attention!r}: use {kernels}")
         if self.gradients not in GRADIENTS:
             raise ValueError(f"unknown gradients {self.gradients!r}: use {' or '.join(GRADIENTS)}")
+        if self.fp8 not in FP8_KEEPS:
+            raise ValueError(f"unknown fp8 keeping {self.fp8!r}: use {', '.join(FP8_KEEPS)}")
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of one activation element: fp32's 4, else bf16's 2 (fp8 keeps bf16 activations)."""
+        """Bytes of one activation element: fp32's 4, else bf16's 2 (an fp8 run's products compute in fp8,
+        the rest in bf16; what its products keep: `saved_input_bytes`)."""
         return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def saved_input_bytes(self) -> int | None:
+        """Bytes of an element that a product keeps of its input for the backward when that is its fp8
+        cast (Transformer Engine's fp8): 1; None when it keeps the activation as it came."""
+        return 1 if self.dtype == "fp8" and self.fp8 != "torchao" else None
+
+    @property
+    def fp8_weight_copy_bytes(self) -> int:
+        """Bytes per block weight that an fp8 run keeps beside its bf16 weights: Transformer Engine's fp8
+        cast and its transpose (2), unless the weights are fp8 themselves (`FP8_KEEPS`)."""
+        return 2 if self.dtype == "fp8" and self.fp8 == "te" else 0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 - weights: fp32 masters, plus (bf16, fp8) the compute copy the forwards use; ZeRO-3 keeps 1/dp of the
   masters and gathers the compute copy of the layers it runs (two at a time: this one and the next; a
-  pipeline stage keeps its whole stage gathered through the step, as torchtitan does under PP);
+  pipeline stage keeps its whole stage gathered through the step, as torchtitan does under PP); under
+  Transformer Engine's fp8 with bf16 weights, each block matrix's fp8 cast and its transpose beside them
+  (`Software.fp8_weight_copy_bytes`; with fp8 weights, those two are the compute copy);
 - gradients (fp32) and Adam's two moments (fp32), each 1/dp where the ZeRO stage shards them; under
   DeepSpeed's BF16_Optimizer (``Software.gradients``) the bf16 gradients too, whole (ZeRO 0-2);
 - activations: the micro-batches each rank holds at once under its schedule (read off the schedule's
@@ -154,9 +156,11 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     if config.zero == 3 and config.pp == 1:  # FSDP2 keeps its root (embedding, head) gathered from the
         # forward to the backward (`zero3_time`)
         weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
+    weights += _fp8_copies(model, config, software, layers, dense)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
-    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
+    fp8 = software.saved_input_bytes
+    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, fp8)
     most_layers = max(len(cuts[s]) for s in stages)
     held_all, held_last = held
     kept = held_all * most_layers * per_layer * tokens
@@ -165,11 +169,28 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     rebuild = {
         "none": 0.0,
         "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
-    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp))
+    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens
     return GpuMemory(weights, gradients, optimizer, kept, working)
+
+
+def _fp8_copies(model: PaperModel, config: Config, software: Software, layers: int, dense: int) -> float:
+    """Transformer Engine's fp8 casts of the block matrices a GPU holds (gathered: under ZeRO-3 on one
+    stage, the two blocks it holds at once), beside their bf16 copies; the embedding and the head,
+    which no fp8 product reads, have none."""
+    copy = software.fp8_weight_copy_bytes
+    if not copy:
+        return 0.0
+    if config.zero == 3 and config.pp == 1:
+        layers, dense = min(2, layers), min(dense, 2)
+    moved = experts.moved_per_layer(model, config)
+    matrices = (layers - dense) * (layer_parameters_per_gpu(model, config.tp) - moved)
+    if dense:
+        matrices += dense * layer_parameters_per_gpu(model.dense_twin(), config.tp)
+    norms = layers * 2 * model.norm_parameters()
+    return copy * (matrices - norms)
 
 
 def _root_parameters(model: PaperModel, tp: int) -> float:
