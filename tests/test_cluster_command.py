@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "cluster"
 LLAMA_405B = str(CONFIGS / "llama-3.1-405b.json")
+LLAMA_70B = str(CONFIGS / "llama-3.1-70b.json")
 
 
 def plan(monkeypatch, capsys, *args):
@@ -59,6 +60,24 @@ def test_a_405b_config_plans_here_and_fix_prints_one_json_object_with_the_fixed_
         assert answer[field] > 0
     tokens = 256 * 8192 / answer["step_seconds"] / 512
     assert answer["tokens_per_second_per_gpu"] == pytest.approx(tokens, rel=1e-3)
+
+
+def test_fp8_keeps_says_what_an_fp8_runs_products_keep(monkeypatch, capsys):
+    """Transformer Engine's fp8 inputs make a layout lighter than torchao's bf16 ones; its fp8 weight
+    copies beside bf16 weights make it heavier than fp8 weights do."""
+    memory = {}
+    for keeps in ("torchao", "te", "te-fp8-params"):
+        code, out, err = plan(
+            monkeypatch, capsys, "--cluster", "64xH100-80GB", "--hf-config", LLAMA_70B,
+            "--global-batch", "128", "--seq-len", "8192", "--dtype", "fp8", "--fp8-keeps", keeps, "--fused",
+            "--fix", "tp=4,pp=8,dp=2,schedule=interleaved-1f1b,chunks=5,recompute=none,zero=1,sp=on,"
+            "microbatch-size=1", "--json",
+        )  # fmt: skip
+        answer = json.loads(out)
+        assert (code, err) == (0 if answer["fits"] else 1, "")
+        memory[keeps] = answer["memory_per_gpu_bytes"]
+    assert memory["te-fp8-params"] <= 80 * 2**30 < memory["torchao"]  # Megatron-Bridge's recipe, as run
+    assert memory["te-fp8-params"] < memory["te"]
 
 
 def test_the_search_prints_its_ranking_and_why_the_best_wins(monkeypatch, capsys):
@@ -173,6 +192,11 @@ def _t5_config(tmp_path) -> str:
          "argument --gradients: invalid choice: 'fp16' (choose from 'fp32', 'bf16+fp32')"),
         (["--params", "1e9", "--tp-backward-overlap"], "--tp-backward-overlap plans a cluster on paper"),
         (["--params", "1e9", "--deepspeed"], "--deepspeed plans a cluster on paper"),
+        (["--params", "1e9", "--fp8-keeps", "te"], "--fp8-keeps plans a cluster on paper"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fp8-keeps", "te"],
+         "--fp8-keeps says what fp8 products keep: give --dtype fp8 too"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--dtype", "fp8", "--fp8-keeps", "fp4"],
+         "argument --fp8-keeps: invalid choice: 'fp4'"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],

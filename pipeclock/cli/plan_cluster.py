@@ -21,6 +21,7 @@ from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import (
+    FP8_KEEPS,
     GRADIENTS,
     RECOMPUTES,
     RETIRED_RECOMPUTES,
@@ -71,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
     )  # fmt: skip
     group.add_argument(
+        "--fp8-keeps", choices=list(FP8_KEEPS), default=None,
+        help="--cluster --dtype fp8: what the fp8 products keep: bf16 inputs and weights (torchao's "
+        "Float8, the default), fp8 inputs and fp8 weight copies beside bf16 weights (Transformer "
+        "Engine), or fp8 inputs and fp8 weights (Transformer Engine with fp8 parameters)",
+    )  # fmt: skip
+    group.add_argument(
         "--tp-backward-overlap", action="store_true",
         help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
         "async all-reduce)",
@@ -87,6 +94,7 @@ def refuse_without_cluster(args: argparse.Namespace) -> None:
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
                           ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
+                          ("--fp8-keeps", args.fp8_keeps),
                           ("--tp-backward-overlap", args.tp_backward_overlap),
                           ("--deepspeed", args.deepspeed)):  # fmt: skip
         if given:
@@ -99,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster, spec)
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
+    if args.fp8_keeps and args.dtype != "fp8":
+        raise ValueError("--fp8-keeps says what fp8 products keep: give --dtype fp8 too")
     software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
-                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed)  # fmt: skip
+                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed,
+                        fp8=args.fp8_keeps or "torchao")  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()
