@@ -73,3 +73,19 @@ def test_counting_fp8_activations_as_bf16_would_not_fit_them(table):
             dataclasses.replace(row, software=dataclasses.replace(row.software, fp8="torchao")), "zero=1"
         )
         assert not row.predicted["fits"], name
+
+
+def test_llama_3_405b_is_judged_over_80_gib_for_the_reason_docs_cluster_gives(table):
+    """With one layer a chunk (V = 8: Meta's first and last chunks hold only the embedding and the head),
+    Megatron's interleaved 1F1B holds 141 layer micro-batches on rank 1 at m = 32 and 128 at m = 16, at
+    0.497 GiB each: 70.0 GiB and 63.6 GiB of activations, before weights, states and allowance."""
+    from pipeclock.plan.activations import layer_bytes
+    from pipeclock.plan.cluster_memory import held_microbatches
+
+    model = table["Llama 3 405B, 8,192 GPUs"].model
+    per_microbatch = layer_bytes(model, "none", 2, True, 8, True) * 8192 / 2**30
+    assert per_microbatch == pytest.approx(0.4966, abs=1e-4)
+    assert held_microbatches("interleaved-1f1b", 16, 32, 8)[1][0] == 141
+    assert held_microbatches("interleaved-1f1b", 16, 16, 8)[1][0] == 128
+    for name in ("Llama 3 405B, 8,192 GPUs", "Llama 3 405B, 16,384 GPUs"):
+        assert not judged(table[name], PICKED[name]).predicted["fits"], name
