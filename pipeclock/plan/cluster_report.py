@@ -10,6 +10,12 @@ from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.search import SearchResult
 
+_FP8_WORDS = {
+    "torchao": ", fp8 products keep bf16 inputs",
+    "te": ", fp8 inputs and weight copies kept (Transformer Engine)",
+    "te-fp8-params": ", fp8 inputs and weights kept (Transformer Engine)",
+}
+
 
 def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) -> list[str]:
     kind, unit = cluster.kind, _unit(model)
@@ -22,6 +28,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         + (", bf16 gradients beside fp32" if software.gradients != "fp32" else "")
         + (", tp backward overlapped" if software.tp_backward_overlap else "")
         + (", DeepSpeed" if software.deepspeed else "")
+        + (_FP8_WORDS[software.fp8] if software.dtype == "fp8" else "")
     )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
