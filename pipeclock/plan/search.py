@@ -1,7 +1,8 @@
 """The search: every way to run the job on the cluster, the ones that fit, ranked by tokens/s.
 
 The knobs: tp (a divisor of the node's GPU count, and of the heads), pp (at most the layer count), dp
-(the rest; it must divide the global batch), the micro-batch size (a divisor of each replica's share),
+(the rest; it must divide the global batch), cp (context parallel: 1 unless ``--fix cp=N`` asks,
+`pipeclock.plan.context_parallel`), the micro-batch size (a divisor of each replica's share),
 the schedule (pipeclock's seven; one stage needs none) with its chunks per rank (interleaving: 2, 3, 4,
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
-from pipeclock.plan import experts
+from pipeclock.plan import context_parallel, experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory, static_floor
 from pipeclock.plan.cluster_plan import Prediction, rate
@@ -44,8 +45,9 @@ from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_time import pipeline_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
+DEGREES = ("tp", "cp", "pp", "dp")  # the layout's degrees, innermost first
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
-FIXABLE = ("tp", "pp", "dp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
+FIXABLE = ("tp", "pp", "dp", "cp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
 
 
 class SearchError(ValueError):
@@ -200,6 +202,7 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
     found = False
+    cp = fixed.get("cp", 1)
     for tp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
@@ -213,7 +216,7 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 experts.ep_choices(model, dp, fixed),
             ):
                 found = True
-                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep)
+                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp)
     if not found:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
@@ -231,7 +234,7 @@ def config_groups(
     layouts = list(_layouts(model, cluster, job, fixed))
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
-    number = 0
+    number, cp = 0, fixed.get("cp", 1)
     for tp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
@@ -250,7 +253,9 @@ def config_groups(
                 members = [(name, v, number + j * len(inner) + i) for j, (name, v) in enumerate(schedules)]
                 if members:
                     yield (
-                        Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep),
+                        Config(
+                            tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp
+                        ),
                         members,
                     )
             number += len(schedules) * len(inner)
@@ -262,7 +267,8 @@ def config_groups(
 
 
 def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
-    count, per_node = cluster.count, cluster.kind.gpus_per_node
+    """(tp, pp, dp) for the GPUs left by the fixed cp (1 unless fixed)."""
+    count, per_node = cluster.count // fixed.get("cp", 1), cluster.kind.gpus_per_node
     for tp in _divisors(min(per_node, count)):
         if count % tp or (model.kind == "transformer" and model.heads % tp) or model.hidden % tp:
             continue
@@ -312,16 +318,19 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
     if fixed.get("pp", 1) > model.layers:
         raise SearchError(f"--fix pp={fixed['pp']} is more than the model's {model.layers} layers")
     product = 1
-    for knob in ("tp", "pp", "dp"):
+    for knob in DEGREES:
         product *= fixed.get(knob, 1)
+    named = [k for k in DEGREES if k in fixed]
     if all(k in fixed for k in ("tp", "pp", "dp")) and product != cluster.count:
         raise SearchError(
-            f"--fix tp x pp x dp = {fixed['tp']} x {fixed['pp']} x {fixed['dp']} = {product}, not the "
+            f"--fix {' x '.join(named)} = {' x '.join(str(fixed[k]) for k in named)} = {product}, not the "
             f"cluster's {cluster.count} GPUs"
         )
     if cluster.count % product:
-        raise SearchError(f"--fix {'x'.join(k for k in ('tp', 'pp', 'dp') if k in fixed)} = {product} "
+        raise SearchError(f"--fix {'x'.join(named)} = {product} "
                           f"does not divide the cluster's {cluster.count} GPUs")  # fmt: skip
+    if context_parallel.refusal(model, job, fixed):
+        raise SearchError(context_parallel.refusal(model, job, fixed))
     if model.kind == "transformer" and model.heads % fixed.get("tp", 1):
         raise SearchError(f"--fix tp={fixed['tp']} does not divide the model's {model.heads} heads")
     if "dp" in fixed and job.global_batch % fixed["dp"]:
@@ -341,9 +350,9 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
 
 
 def _no_layout(model, cluster, job, fixed) -> str:
-    if any(k in fixed for k in ("tp", "pp", "dp", "ep")):
+    if any(k in fixed for k in ("tp", "pp", "dp", "ep", "cp")):
         return (
-            f"no tp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
+            f"no tp x cp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
             f"{job.global_batch} by dp"
         )
     return (
