@@ -26,7 +26,8 @@ PICKED = {
     "LLAMA2-13B, 16 GPUs": "recompute=none,zero=1",
     "LLAMA2-70B, 64 GPUs": "recompute=none,zero=1,sp=on",
     "Llama 3 8B, 8 GPUs, GBS 128 (25.11)": "recompute=none",
-    "Llama 3 405B, 16,384 GPUs, cp 16, seq 131,072": "microbatch-size=1,chunks=4,sp=on,recompute=selective-op",
+    "Llama 3 405B, 16,384 GPUs, cp 16, seq 131,072": "microbatch-size=1,chunks=4,sp=on,"
+    "recompute=selective-op",
     "LLAMA3-8B, 8 GPUs, cp 2": "recompute=none,zero=2",
     "LLAMA3-70B, 64 GPUs, cp 2": "recompute=none,zero=1,sp=on",
 }
