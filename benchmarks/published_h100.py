@@ -7,10 +7,11 @@ Sources, every figure quoted as printed:
   (32 sequences of 8,192 tokens per dp rank) and x dp 128 (16 per rank), the interleaved schedule, FSDP
   sharding the optimizer and gradients, "sequences of 8K tokens without activation checkpointing";
   TFLOP/s per GPU 430 and 400 (BF16 MFU 43 % and 41 %, MFU as PaLM counts it: the whole attention square,
-  as `PaperModel.model_flops_per_token`). Table 4's third row: 16,384 GPUs, tp 8 x cp 16 x pp 16 x dp 8,
-  16 sequences of 131,072 tokens per dp rank, 380 TFLOP/s; its context parallel all-gathers the keys and
-  values with the latency "exposed in the critical path" (§3.3.2): ``cp_exchange="all-gather-exposed"``;
-  its recompute is not stated (the search's).
+  as `PaperModel.model_flops_per_token`). Table 4's third row: 16,384 GPUs, tp 8, cp 16, pp 16, 16
+  sequences of 131,072 tokens per dp rank, 16M tokens a batch, 380 TFLOP/s; it prints DP 4, which makes
+  neither the GPUs (8 x 16 x 16 x 4 = 8,192) nor the batch (8.4M tokens): dp 8 makes both. Its context
+  parallel all-gathers the keys and values with the latency "exposed in the critical path" (§3.3.2):
+  ``cp_exchange="all-gather-exposed"``; its recompute is not stated (the search's).
 - NVIDIA NeMo, ``docs/source/performance/performance_summary.md`` (NVIDIA/NeMo, its last version, commit
   8e3d65dc "24.07 perf numbers", 2024-09-09): pre-training at FP8 on DGX-H100 with the NeMo 24.07
   container (Megatron-Core, Transformer Engine), GBS, MBS, sequence, TP, PP, CP and VP per row,
