@@ -50,10 +50,10 @@ def test_the_states_shard_over_dp_x_cp_as_over_the_same_count_of_data_parallel_r
 def test_the_layers_work_is_one_cp_th_and_the_exchange_is_what_the_implementation_moves():
     """Products, attention and elementwise work split evenly (load-balanced chunks; each rank still reads
     the whole weights); an all-gather left in the critical path adds (cp - 1) blocks of keys and values on
-    the link, where torch's, hidden behind the local block, adds nothing to the forward."""
+    the link, where a ring, each step hidden behind its block's attention, adds nothing to the forward."""
     job, a = Job(2, 65536), 2
     exposed = Software("bf16", fused=True, cp_exchange="all-gather-exposed")
-    hidden = Software("bf16", fused=True, cp_exchange="all-gather")
+    hidden = Software("bf16", fused=True, cp_exchange="ring")
     whole = layer_time(GQA, config(1), job, exposed, Rates(H100, exposed))
     for cp in (2, 8):
         split = layer_time(GQA, config(cp), job, exposed, Rates(H100, exposed))
@@ -68,6 +68,7 @@ def test_the_layers_work_is_one_cp_th_and_the_exchange_is_what_the_implementatio
 
 
 def test_torchs_all_gather_hides_behind_the_local_block_and_a_ring_behind_each_step():
+    """What is left: torch's merges in fp32 and its last gradients' send; a ring's last gradients' send."""
     job = Job(1, 131072)
     attention = 0.2  # seconds of one layer's forward attention on a rank: far more than the exchange
     hidden = [
@@ -78,7 +79,10 @@ def test_torchs_all_gather_hides_behind_the_local_block_and_a_ring_behind_each_s
     link = H100.intra_node_bandwidth * calibration.LINK_EFFICIENCY
     gradients = block * 2 / link + calibration.COLLECTIVE_LATENCY  # torch's fp32 gradients: the last send
     send = block / link + calibration.COLLECTIVE_LATENCY
-    assert hidden[0] == context_parallel.Exchange(0.0, pytest.approx(gradients))
+    merges = context_parallel.merge_seconds(GQA, config(4), job, Software("bf16"), H100)
+    assert hidden[0] == context_parallel.Exchange(
+        pytest.approx(merges[0]), pytest.approx(gradients + merges[1])
+    )
     assert hidden[1] == context_parallel.Exchange(0.0, pytest.approx(send))
     # past a node (tp 8 x cp 4), on each GPU's network share; keys and values repeated to the query width
     wide = config(4, tp=8)

@@ -18,6 +18,8 @@ that wide:
   less the local block's attention; backward, the all-gather again less the local block's backward, and
   the keys' and values' gradients, in fp32, passed around the ring one block a step, each send hidden
   behind the next block's backward but the last (``torch/distributed/tensor/experimental/_attention.py``);
+  and its bookkeeping around each block, through memory: the blocks' outputs merged in fp32, the
+  gradients accumulated in fp32 (`merge_seconds`);
 - ``ring`` (Megatron-Core's ``cp_comm_type="p2p"``, Transformer Engine's default): each of the cp - 1
   steps sends one block of keys and values to the next rank while the current block computes, and the
   backward sends the gradients' block with it; only what a step's send takes beyond the step's attention
@@ -39,6 +41,16 @@ from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
 
 GRADIENT_BYTES = 4  # torch's ring passes the keys' and values' gradients in fp32 (``convert_to_f32``)
+# torch's bookkeeping around each block's attention, in bytes through memory per element of a rank's
+# attention output (queries' width) or of its keys and values, counted from ``_attention.py``: forward,
+# each block after the first converted to fp32 (2 + 4) and merged, ``out - sigmoid(lse_b - lse) *
+# (out - out_b)`` (12 + 8 + 12), 38 an element, or, for the blocks that update only the second half of
+# the output (about half of them), 38 a half-size element and a ``torch.cat`` of the whole (8): 27 an
+# element; the backward's fp32 accumulation of each block's gradients (``+=``: 10) or its
+# ``_partial_update`` (half the elements, then a ``torch.cat``: 13), and the keys' and values' gradients
+# concatenated for the next send (8)
+MERGE_FORWARD_BYTES = 32.0
+MERGE_BACKWARD_BYTES = (12.0, 20.0)  # per element of the queries' gradient, of the keys' (or values')
 
 
 @dataclass(frozen=True)
@@ -89,10 +101,29 @@ def exchange(model: PaperModel, config: Config, job: Job, software: Software, gp
     if software.cp_exchange == "all-gather":
         gradients = block * GRADIENT_BYTES / a / bandwidth + latency
         backward = max(0.0, gathered - step_backward) + (cp - 1) * max(0.0, gradients - step_backward)
-        return Exchange(max(0.0, gathered - step_forward), backward + gradients)
+        merge_forward, merge_backward = merge_seconds(model, config, job, software, gpu)
+        return Exchange(
+            max(0.0, gathered - step_forward) + merge_forward, backward + gradients + merge_backward
+        )
     send = block / bandwidth + latency  # ring: one block a step, the gradients' block with it backward
     backward = (cp - 1) * max(0.0, 2 * send - step_backward) + send
     return Exchange((cp - 1) * max(0.0, send - step_forward), backward)
+
+
+def merge_seconds(model: PaperModel, config: Config, job: Job, software: Software,
+                  gpu: GpuKind) -> tuple[float, float]:  # fmt: skip
+    """torch's bookkeeping around the blocks' attention (`MERGE_FORWARD_BYTES`, `MERGE_BACKWARD_BYTES`),
+    forward and backward seconds, through memory: the cp - 1 merges of the output, the cp accumulations of
+    the gradients."""
+    tokens = local_tokens(config, job)
+    queries = tokens * model.q_dim / config.tp
+    keys = (
+        tokens * kv_bytes(model, config.tp, 1, software.repeat_kv) / 2
+    )  # the keys' elements (values': as many)
+    forward = (config.cp - 1) * MERGE_FORWARD_BYTES * queries
+    q_bytes, kv_each = MERGE_BACKWARD_BYTES
+    backward = config.cp * (q_bytes * queries + 2 * kv_each * keys)
+    return forward / gpu.memory_bandwidth, backward / gpu.memory_bandwidth
 
 
 def working_bytes(model: PaperModel, config: Config, job: Job, software: Software) -> float:
