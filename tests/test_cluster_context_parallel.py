@@ -5,6 +5,7 @@ the data-parallel ranks, and cp=1 leaves every figure as it was."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -166,3 +167,13 @@ def test_a_bad_cp_on_the_command_line_is_one_line_and_exit_code_2(monkeypatch, c
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_fix_cp_judges_one_configuration_and_its_json_names_cp(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["pipeclock", "plan"])
+    args = ["--cluster", "16xH100-80GB", "--model", "gpt", "--dim", "1024", "--layers", "8", "--seq-len",
+            "8192", "--global-batch", "16", "--fix", "cp=4", "--cp-exchange", "ring", "--json"]  # fmt: skip
+    code = main(["plan", *args])
+    out, _ = capsys.readouterr()
+    chosen = json.loads(out)
+    assert code == 0 and chosen["cp"] == 4 and chosen["tp"] * chosen["pp"] * chosen["dp"] * 4 == 16
