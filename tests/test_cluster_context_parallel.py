@@ -18,7 +18,7 @@ from pipeclock.plan.cluster_plan import predict
 from pipeclock.plan.cluster_time import Rates, layer_time
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel, gpt_model, mlp_model
-from pipeclock.plan.search import SearchError, search
+from pipeclock.plan.search import SearchError, config_groups, search
 
 H100 = KINDS["H100-80GB"]
 GPT = gpt_model(2048, 24, 16, 50304)
@@ -116,10 +116,14 @@ def test_cp_1_leaves_every_figure_as_it_was_to_the_bit(knobs, job, software, fig
         assert (p.time.step, p.memory.total) == figures
 
 
-def test_the_search_tries_cp_only_when_asked_and_lays_cp_next_to_tp():
+def test_the_search_tries_cp_for_long_sequences_or_when_asked_and_lays_cp_next_to_tp():
+    def tried(seq: int, fixed: dict | None = None) -> set[int]:
+        return {base.cp for base, _ in config_groups(GQA, Cluster(16, H100), Job(16, seq), fixed or {})}
+
+    assert tried(16384) == {1} and tried(16384, {"cp": 4}) == {4}
+    assert tried(32768) == {1, 2, 4, 8, 16} and tried(32768 + 8) == {1, 2, 4}  # 2 x cp chunks must split it
+    assert tried(65536, {"tp": 8, "dp": 1}) == {1, 2}
     job, software = Job(16, 32768), Software("bf16", fused=True)
-    free = search(GQA, Cluster(16, H100), job, software, top=3)
-    assert {p.config.cp for p in free.ranked} == {1}
     fixed = search(GQA, Cluster(16, H100), job, software, {"cp": 2, "tp": 4, "pp": 1}, top=1).ranked[0]
     assert (fixed.config.cp, fixed.config.dp, fixed.config.gpus) == (2, 2, 16)
     assert " x cp 2 x pp 1 x dp 2, " in fixed.config.label()

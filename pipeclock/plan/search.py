@@ -1,8 +1,9 @@
 """The search: every way to run the job on the cluster, the ones that fit, ranked by tokens/s.
 
 The knobs: tp (a divisor of the node's GPU count, and of the heads), pp (at most the layer count), dp
-(the rest; it must divide the global batch), cp (context parallel: 1 unless ``--fix cp=N`` asks,
-`pipeclock.plan.context_parallel`), the micro-batch size (a divisor of each replica's share),
+(the rest; it must divide the global batch), cp (context parallel, `pipeclock.plan.context_parallel`:
+for sequences of 32,768 tokens or more, 1, 2, 4, 8 and 16 where they divide the GPUs; else 1 unless
+``--fix cp=N`` asks), the micro-batch size (a divisor of each replica's share),
 the schedule (pipeclock's seven; one stage needs none) with its chunks per rank (interleaving: 2, 3, 4,
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
@@ -46,6 +47,9 @@ from pipeclock.plan.pipeline_time import pipeline_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
 DEGREES = ("tp", "cp", "pp", "dp")  # the layout's degrees, innermost first
+# A free search tries context parallel for sequences this long (below, attention's share of the work is
+# small and cp only adds its exchange), at powers of two up to this degree
+CP_SEARCHED_FROM, CP_SEARCHED_UP_TO = 32768, 16
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
 FIXABLE = ("tp", "pp", "dp", "cp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
 
@@ -202,8 +206,7 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
     found = False
-    cp = fixed.get("cp", 1)
-    for tp, pp, dp in layouts:
+    for tp, cp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
         for size, (schedule, chunks) in itertools.product(sizes, _schedules(model, pp, fixed)):
@@ -211,7 +214,7 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 continue
             for recompute, zero, sp, ep in itertools.product(
                 _choice(fixed, "recompute", RECOMPUTES),
-                _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+                _choice(fixed, "zero", ZERO_STAGES if dp * cp > 1 else (0,)),
                 _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
                 experts.ep_choices(model, dp, fixed),
             ):
@@ -234,14 +237,14 @@ def config_groups(
     layouts = list(_layouts(model, cluster, job, fixed))
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
-    number, cp = 0, fixed.get("cp", 1)
-    for tp, pp, dp in layouts:
+    number = 0
+    for tp, cp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
         schedules = list(_schedules(model, pp, fixed))
         inner = list(itertools.product(
             _choice(fixed, "recompute", RECOMPUTES),
-            _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+            _choice(fixed, "zero", ZERO_STAGES if dp * cp > 1 else (0,)),
             _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
             experts.ep_choices(model, dp, fixed),
         ))  # fmt: skip
@@ -266,9 +269,25 @@ def config_groups(
         )
 
 
-def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
-    """(tp, pp, dp) for the GPUs left by the fixed cp (1 unless fixed)."""
-    count, per_node = cluster.count // fixed.get("cp", 1), cluster.kind.gpus_per_node
+def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp): for each cp (`_cp_choices`), tp, pp and dp of the GPUs it leaves."""
+    for cp in _cp_choices(model, cluster, job, fixed):
+        for tp, pp, dp in _layouts_of(model, cluster.count // cp, cluster.kind.gpus_per_node, job, fixed):
+            yield tp, cp, pp, dp
+
+
+def _cp_choices(model, cluster, job, fixed) -> tuple[int, ...]:
+    """The fixed cp; else 1, and for sequences of `CP_SEARCHED_FROM` tokens or more the powers of two up to
+    `CP_SEARCHED_UP_TO` that divide the GPUs and split the sequence into 2 x cp chunks."""
+    if "cp" in fixed:
+        return (fixed["cp"],)
+    if job.seq_len < CP_SEARCHED_FROM or model.kind == "mlp":
+        return (1,)
+    wanted = (2**k for k in range(CP_SEARCHED_UP_TO.bit_length()))
+    return tuple(cp for cp in wanted if cp == 1 or (cluster.count % cp == 0 and job.seq_len % (2 * cp) == 0))
+
+
+def _layouts_of(model, count: int, per_node: int, job, fixed) -> Iterator[tuple[int, int, int]]:
     for tp in _divisors(min(per_node, count)):
         if count % tp or (model.kind == "transformer" and model.heads % tp) or model.hidden % tp:
             continue
