@@ -204,12 +204,28 @@ TITAN_ROWS = [
         "check",
     ),
 ]
-# Context parallel (T2 and T6's other rows) is not modelled: those rows are listed, not predicted.
-NOT_MODELLED = [
-    ("T2", "FSDP 4, CP 2, seq 65536", 2540, 84.2), ("T2", "FSDP 2, CP 4, seq 131072", 1071, 84.0),
-    ("T2", "FSDP 1, CP 8, seq 262144", 548, 84.5), ("T6", "FSDP 4, CP 2, seq 65536", 47, 75.9),
-    ("T6", "FSDP 2, CP 4, seq 131072", 31, 77.1), ("T6", "FSDP 1, CP 8, seq 262144", 16, 84.9),
+# Context parallel (torch's context_parallel, its keys and values all-gathered; torchtitan 9dec370's Llama
+# repeats them to the query heads before attention, ``repeat_kv`` in torchtitan/models/llama/model.py):
+# Table 2's and Table 6's other rows, a local batch of 1 and 8 sequences per FSDP rank, FSDP over dp x cp.
+# (table, FSDP, cp, seq, tokens/s per GPU, GiB)
+TITAN_CP_ROWS = [
+    ("T2", 4, 2, 65536, 2540, 84.2), ("T2", 2, 4, 131072, 1071, 84.0), ("T2", 1, 8, 262144, 548, 84.5),
+    ("T6", 4, 2, 65536, 47, 75.9), ("T6", 2, 4, 131072, 31, 77.1), ("T6", 1, 8, 262144, 16, 84.9),
 ]  # fmt: skip
+
+
+def titan_cp_row(table: str, fsdp: int, cp: int, seq: int, tokens: int, memory: float) -> tuple:
+    """A `TITAN_CP_ROWS` row in `TITAN_ROWS`' form: Table 2's 8B on 8 GPUs (FSDP + CP, compiled, Float8),
+    Table 6's 405B on 512 (tp 8, pp 8 with 1F1B, AsyncTP too)."""
+    t2 = table == "T2"
+    degrees = "tp=1,pp=1" if t2 else "tp=8,pp=8,sp=on,schedule=1f1b"
+    fix = f"dp={fsdp},cp={cp},{degrees},zero=3,microbatch-size=1,recompute=full"
+    return (table, f"FSDP {fsdp}, CP {cp}, seq {seq}", "8b" if t2 else "405b", 8 if t2 else 512,
+            fsdp * (1 if t2 else 8), seq, Software("fp8", True, not t2, repeat_kv=True), fix, tokens, memory,
+            "check")  # fmt: skip
+
+
+TITAN_ROWS += [titan_cp_row(*row) for row in TITAN_CP_ROWS]
 # Megatron-LM: (size, heads, hidden, layers, tp, pp, dp, gpus, batch, TFLOP/s per GPU, role)
 MEGATRON_ROWS = [
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, "check"),
@@ -249,7 +265,8 @@ def rows() -> list[Row]:
     for table, name, size, gpus, batch, seq, soft, fix, tokens, memory, role in TITAN_ROWS:
         model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3.1 {size.upper()}")
         result.append(Row(f"{TITAN} {table}", name, model, Cluster(gpus, titan_gpu), Job(batch, seq),
-                          Software(*soft), parse_fix(fix), tokens, None, memory, role))  # fmt: skip
+                          soft if isinstance(soft, Software) else Software(*soft), parse_fix(fix), tokens,
+                          None, memory, role))  # fmt: skip
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, role in MEGATRON_ROWS:
         model = megatron_gpt(size, heads, hidden, layers)
         schedule = ",schedule=interleaved-1f1b" if pp > 1 else ""
@@ -415,13 +432,6 @@ def markdown(table: list[Row]) -> str:
             f"{p['memory']:.1f}{'' if p['fits'] else ' (does not fit)'} | "
             f"{'-' if memory is None else f'{memory:+.1%}'} | {row.role} | {p['config']} |"
         )
-    for table_name, name, tokens, memory in NOT_MODELLED:
-        lines.append(f"| {TITAN} {table_name} | {name} | - | {tokens:,} tokens/s | context parallel is not "
-                     f"modelled | - | {memory} | - | - | - | - |")  # fmt: skip
-    for source, name, tokens, tflops in published_h100.NOT_MODELLED:
-        published = f"{tflops} TFLOP/s" if tokens is None else f"{tokens:,} tokens/s"
-        lines.append(f"| {source} | {name} | - | {published} | context parallel is not modelled | - | - "
-                     "| - | - | - | - |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -7,16 +7,21 @@ Sources, every figure quoted as printed:
   (32 sequences of 8,192 tokens per dp rank) and x dp 128 (16 per rank), the interleaved schedule, FSDP
   sharding the optimizer and gradients, "sequences of 8K tokens without activation checkpointing";
   TFLOP/s per GPU 430 and 400 (BF16 MFU 43 % and 41 %, MFU as PaLM counts it: the whole attention square,
-  as `PaperModel.model_flops_per_token`). Table 4's third row (cp 16, 131,072 tokens) is listed, not
-  predicted: context parallel is not modelled.
+  as `PaperModel.model_flops_per_token`). Table 4's third row: 16,384 GPUs, tp 8, cp 16, pp 16, 16
+  sequences of 131,072 tokens per dp rank, 16M tokens a batch, 380 TFLOP/s; it prints DP 4, which makes
+  neither the GPUs (8 x 16 x 16 x 4 = 8,192) nor the batch (8.4M tokens): dp 8 makes both. Its context
+  parallel all-gathers the keys and values with the latency "exposed in the critical path" (§3.3.2):
+  ``cp_exchange="all-gather-exposed"``; its recompute is not stated (the search's).
 - NVIDIA NeMo, ``docs/source/performance/performance_summary.md`` (NVIDIA/NeMo, its last version, commit
   8e3d65dc "24.07 perf numbers", 2024-09-09): pre-training at FP8 on DGX-H100 with the NeMo 24.07
   container (Megatron-Core, Transformer Engine), GBS, MBS, sequence, TP, PP, CP and VP per row,
   tokens/s per GPU. The models are NeMo's own configs at that commit
   (``nemo/collections/llm/gpt/model/base.py``: GPT-3 5B, 20B, 175B with learned positions, LayerNorm,
   GELU, biases and tied embeddings; ``llama.py``: Llama 2 7B, 13B, 70B), the vocabulary padded as
-  Megatron pads it (to a multiple of 128 x tp: GPT-2's 50,257 tokens, Llama 2's 32,000). Its Nemotron rows
-  (squared-ReLU Nemotron, a family the planner does not read) and its Llama 3 rows (cp 2) are left out.
+  Megatron pads it (to a multiple of 128 x tp: GPT-2's 50,257 tokens, Llama 2's 32,000, Llama 3's 128,256;
+  ``llama.py``'s Llama3Config8B and 70B are the Llama 3.1 configs' shapes). Its Nemotron rows (squared-ReLU
+  Nemotron, a family the planner does not read) are left out; its Llama 3 rows run cp 2, as Megatron-Core
+  runs context parallel with Transformer Engine: a ring (``cp_exchange="ring"``).
 - NVIDIA Megatron-Bridge, ``docs/performance-summary-archive.md`` (NVIDIA-NeMo/Megatron-Bridge, read at
   commit 067f987d, 2026-08-22): DGX-H100 pre-training of Llama 3 8B and 70B (docs/cluster's Llama 3.1
   configs: the same shapes) in FP8 with current scaling, containers 25.11 and 26.04, with FSDP, TP, PP,
@@ -59,6 +64,8 @@ META_ROWS = [
     (16384, 8, 16, 128, 16, 400, "check"),
 ]
 META_SEQ = 8192
+# (GPUs, tp, cp, pp, dp, sequences per dp rank, sequence, TFLOP/s per GPU, role)
+META_CP_ROWS = [(16384, 8, 16, 16, 8, 16, 131072, 380, "check")]
 # (model, GPUs, GBS, MBS, sequence, tp, pp, vp, tokens/s per GPU, role); all cp 1
 NEMO_ROWS = [
     ("GPT3-5B", 64, 2048, 4, 2048, 1, 1, 1, 23406, "check"),
@@ -87,13 +94,13 @@ SHAPES = {
     "LLAMA2-13B": (40, 5120, 13824, 40, 40),
     "LLAMA2-70B": (80, 8192, 28672, 64, 8),
 }
-GPT2_VOCAB, LLAMA2_VOCAB = 50257, 32000
-# listed, not predicted: (source, run, tokens/s per GPU or None, TFLOP/s per GPU)
-NOT_MODELLED = [
-    (META, "Llama 3 405B, 16,384 GPUs, tp 8, cp 16, pp 16, seq 131,072", None, 380),
-    (NEMO, "LLAMA3-8B, 8 GPUs, cp 2, seq 8192", 12273, 711),
-    (NEMO, "LLAMA3-70B, 64 GPUs, tp 4, pp 4, cp 2, vp 5, seq 8192", 1524, 734),
+# (model, GPUs, GBS, MBS, sequence, tp, pp, cp, vp, tokens/s per GPU, role)
+NEMO_CP_ROWS = [
+    ("LLAMA3-8B", 8, 128, 1, 8192, 1, 1, 2, 1, 12273, "check"),
+    ("LLAMA3-70B", 64, 128, 1, 8192, 4, 4, 2, 5, 1524, "check"),
 ]
+SHAPES |= {"LLAMA3-8B": (32, 4096, 14336, 32, 8), "LLAMA3-70B": (80, 8192, 28672, 64, 8)}
+GPT2_VOCAB, LLAMA2_VOCAB, LLAMA3_VOCAB = 50257, 32000, 128256
 
 
 def rows() -> list:
@@ -112,14 +119,23 @@ def rows() -> list:
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
                           Job(dp * per_rank, META_SEQ), Software("bf16", True, False), fixed, None, tflops,
                           None, role))  # fmt: skip
-    for name, gpus, batch, mbs, seq, tp, pp, vp, tokens, role in NEMO_ROWS:
+    for gpus, tp, cp, pp, dp, per_rank, seq, tflops, role in META_CP_ROWS:
+        fixed = parse_fix(f"tp={tp},cp={cp},pp={pp},dp={dp},zero=3,schedule=interleaved-1f1b")
+        software = Software("bf16", True, False, cp_exchange="all-gather-exposed")
+        result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}", llama,
+                          Cluster(gpus, h100), Job(dp * per_rank, seq), software, fixed, None, tflops, None,
+                          role))  # fmt: skip
+    nemo = [(*row[:7], 1, *row[7:]) for row in NEMO_ROWS] + NEMO_CP_ROWS  # cp 1, then the cp 2 rows
+    for name, gpus, batch, mbs, seq, tp, pp, cp, vp, tokens, role in nemo:
         schedule = ",schedule=1f1b" if pp > 1 else ""
         schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else schedule
         known = NEMO_KNOWN.get((name, gpus), "")
-        fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{schedule}{known}")
-        software = Software("fp8", True, True, fp8="te-fp8-params")
-        result.append(Row(NEMO, f"{name}, {gpus} GPUs", nemo_model(name, tp, seq), Cluster(gpus, h100),
-                          Job(batch, seq), software, fixed, tokens, None, None, role))  # fmt: skip
+        degrees = f"tp={tp},pp={pp},dp={gpus // (tp * pp * cp)}" + (f",cp={cp}" if cp > 1 else "")
+        fixed = parse_fix(f"{degrees},microbatch-size={mbs}{schedule}{known}")
+        label = f"{name}, {gpus} GPUs" + (f", cp {cp}" if cp > 1 else "")
+        software = Software("fp8", True, True, fp8="te-fp8-params", cp_exchange="ring")
+        result.append(Row(NEMO, label, nemo_model(name, tp, seq), Cluster(gpus, h100), Job(batch, seq),
+                          software, fixed, tokens, None, None, role))  # fmt: skip
     for container, size, gpus, batch, mbs, fsdp, tp, pp, vp, tokens, role in BRIDGE_ROWS:
         model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3 {size.upper()}")
         schedule = f",schedule=interleaved-1f1b,chunks={vp}" if vp > 1 else ""
@@ -145,9 +161,10 @@ def nemo_model(name: str, tp: int, seq: int):
         config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=seq,
                             vocab_size=padded(GPT2_VOCAB, tp), tie_word_embeddings=True)  # fmt: skip
     else:
+        vocab = LLAMA3_VOCAB if name.startswith("LLAMA3") else LLAMA2_VOCAB
         config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                              num_key_value_heads=kv_heads, intermediate_size=ffn,
-                             vocab_size=padded(LLAMA2_VOCAB, tp), tie_word_embeddings=False)  # fmt: skip
+                             vocab_size=padded(vocab, tp), tie_word_embeddings=False)  # fmt: skip
     return paper_model(config, name)
 
 

@@ -14,7 +14,7 @@ from benchmarks.cluster_check import errors, predict
 from benchmarks.published_h100 import BRIDGE, META, NEMO, rows
 from pipeclock.cli.plan_cluster import parse_fix
 
-pytestmark = pytest.mark.long  # ~15 s: transformers' configs, then twelve judgements of a second or so
+pytestmark = pytest.mark.long  # ~15 s: transformers' configs, then fifteen judgements of a second or so
 
 # what the search picks for each row's free knobs (python -m benchmarks.cluster_check)
 PICKED = {
@@ -26,6 +26,10 @@ PICKED = {
     "LLAMA2-13B, 16 GPUs": "recompute=none,zero=1",
     "LLAMA2-70B, 64 GPUs": "recompute=none,zero=1,sp=on",
     "Llama 3 8B, 8 GPUs, GBS 128 (25.11)": "recompute=none",
+    "Llama 3 405B, 16,384 GPUs, cp 16, seq 131,072": "microbatch-size=1,chunks=4,sp=on,"
+    "recompute=selective-op",
+    "LLAMA3-8B, 8 GPUs, cp 2": "recompute=none,zero=2",
+    "LLAMA3-70B, 64 GPUs, cp 2": "recompute=none,zero=1,sp=on",
 }
 
 
@@ -47,9 +51,10 @@ def test_a_published_h100_run_is_predicted_within_10_percent(table, name):
     assert abs(speed) <= 0.10, (row.source, name, f"{speed:+.1%}")
 
 
-def test_every_published_h100_row_is_in_the_table_or_listed_as_not_modelled(table):
+def test_every_published_h100_row_is_in_the_table_context_parallel_ones_too(table):
     assert {row.source for row in table.values()} == {META, NEMO, BRIDGE}
-    assert len(table) == 12 and set(PICKED) <= set(table)
+    assert len(table) == 15 and set(PICKED) <= set(table)
+    assert sorted(row.fixed.get("cp", 1) for row in table.values())[-3:] == [2, 2, 16]
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import (
+    CP_EXCHANGES,
     FP8_KEEPS,
     GRADIENTS,
     RECOMPUTES,
@@ -87,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--cluster: a DeepSpeed run (its pipeline engine, its ZeRO): its products at the share of "
         "Megatron-LM's speed that published runs show (docs/cluster.md)",
     )  # fmt: skip
+    group.add_argument(
+        "--cp-exchange", choices=list(CP_EXCHANGES), default=None,
+        help="--cluster: how context parallel (--fix cp=N) exchanges keys and values: torch's all-gather "
+        "(the default), Megatron-Core's ring, or an all-gather left exposed (Meta's Llama 3)",
+    )  # fmt: skip
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
@@ -96,7 +102,7 @@ def refuse_without_cluster(args: argparse.Namespace) -> None:
                           ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
                           ("--fp8-keeps", args.fp8_keeps),
                           ("--tp-backward-overlap", args.tp_backward_overlap),
-                          ("--deepspeed", args.deepspeed)):  # fmt: skip
+                          ("--deepspeed", args.deepspeed), ("--cp-exchange", args.cp_exchange)):  # fmt: skip
         if given:
             raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
 
@@ -111,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--fp8-keeps says what fp8 products keep: give --dtype fp8 too")
     software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
                         tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed,
-                        fp8=args.fp8_keeps or "torchao")  # fmt: skip
+                        fp8=args.fp8_keeps or "torchao",
+                        cp_exchange=args.cp_exchange or "all-gather")  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

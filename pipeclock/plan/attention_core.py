@@ -18,5 +18,5 @@ def score_seconds(model, config, job, software, rates) -> float:
     flash-style kernel); the backward moves twice as much, a recompute the forward's again."""
     if software.attention == "flash" or model.kind == "mlp":
         return 0.0
-    elements = config.microbatch_size * model.heads / config.tp * job.seq_len**2
+    elements = config.microbatch_size * model.heads / config.tp * job.seq_len**2 / config.cp
     return calibration.SCORE_BYTES * elements / rates.memory

@@ -1,7 +1,10 @@
 """What a cluster plan chooses (`Config`) and what it takes as given (`Software`, `Job`).
 
-Ranks are laid out dp x pp x tp with tp innermost, as ``train --tp`` lays them out: the tp ranks of a
-stage are consecutive (one node), the stages of one pipeline tp ranks apart, the replicas tp x pp apart.
+Ranks are laid out dp x pp x cp x tp with tp innermost, as ``train --tp`` lays them out: the tp ranks of a
+stage are consecutive (one node), its context-parallel ranks (`pipeclock.plan.context_parallel`) tp apart,
+the stages of one pipeline tp x cp ranks apart, the replicas tp x cp x pp apart. torchtitan's device mesh
+(``pp, dp_replicate, dp_shard, cp, tp``) and Meta's Llama 3 order (``[TP, CP, PP, DP]``) also put cp next
+to tp.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ RETIRED_RECOMPUTES = {
 ZERO_STAGES = (0, 1, 2, 3)
 ATTENTION_KERNELS = ("flash", "materialized")  # see pipeclock.plan.attention_core
 DTYPES = ("fp32", "bf16", "fp8")
+# How context parallel's ranks exchange keys and values (see pipeclock.plan.context_parallel): torch's
+# context_parallel by default, Megatron-Core's (Transformer Engine's) ring, Meta's Llama 3 all-gather
+CP_EXCHANGES = ("all-gather", "ring", "all-gather-exposed")
 # What the framework keeps of a parameter's gradient through the step, in mixed precision: fp32 alone
 # (Megatron-LM's main_grad, FSDP's sharded gradient), or the bf16 gradient autograd writes beside an fp32
 # accumulation buffer (DeepSpeed's BF16_Optimizer, which keeps the bf16 ones between micro-batches).
@@ -49,7 +55,12 @@ class Software:
     computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
     allreduce`` turns it off); hidden up to those weight gradients' time.
     ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
-    others' reach. ``fp8``: what an fp8 run keeps of its products' operands (`FP8_KEEPS`)."""
+    others' reach. ``fp8``: what an fp8 run keeps of its products' operands (`FP8_KEEPS`).
+    ``cp_exchange``: how context parallel's ranks exchange keys and values
+    (`CP_EXCHANGES`); ``repeat_kv``: the model repeats grouped-query attention's key and value heads to
+    the query heads before attention (torchtitan's Llama of 2024, ``repeat_kv`` before
+    ``scaled_dot_product_attention``), so that context parallel moves keys and values as wide as the
+    queries."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -59,8 +70,12 @@ class Software:
     tp_backward_overlap: bool = False
     deepspeed: bool = False
     fp8: str = "torchao"
+    cp_exchange: str = "all-gather"
+    repeat_kv: bool = False
 
     def __post_init__(self) -> None:
+        if self.cp_exchange not in CP_EXCHANGES:
+            raise ValueError(f"unknown cp exchange {self.cp_exchange!r}: use {', '.join(CP_EXCHANGES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use {', '.join(DTYPES)}")
         if self.attention not in ATTENTION_KERNELS:
@@ -103,7 +118,9 @@ class Config:
     """One way to run the job: the three degrees, the schedule and its chunks per rank, the micro-batch
     size (sequences) and count per replica, activation recompute, the data-parallel sharding (ZeRO
     stage: 0 replicates everything, 1 shards the optimizer state, 2 the gradients too, 3 the weights
-    too) and sequence parallel (tensor parallel's norms and residuals split over the tokens)."""
+    too) and sequence parallel (tensor parallel's norms and residuals split over the tokens). ``cp``:
+    context parallel, each sequence's tokens split over cp ranks that hold the same weights
+    (`pipeclock.plan.context_parallel`); the data-parallel group that reduces and shards is dp x cp."""
 
     tp: int
     pp: int
@@ -116,10 +133,16 @@ class Config:
     zero: int
     sequence_parallel: bool
     ep: int = 1  # expert parallel: each MoE layer's experts over ep of the dp ranks (`plan.experts`)
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks that hold the same weights and reduce (and under ZeRO shard) their states: dp x cp."""
+        return self.dp * self.cp
 
     def label(self) -> str:
         schedule = self.schedule if self.chunks == 1 or self.schedule in ("zb-v", "dualpipev") else (
@@ -127,7 +150,9 @@ class Config:
         )  # fmt: skip
         sp = "+sp" if self.sequence_parallel else ""
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
         return (
-            f"tp {self.tp}{sp} x pp {self.pp} x dp {self.dp}{ep}, {schedule}, mbs {self.microbatch_size} x "
-            f"m {self.microbatches}, recompute {self.recompute}, {ZERO_WORDS[self.zero]}"
+            f"tp {self.tp}{sp}{cp} x pp {self.pp} x dp {self.dp}{ep}, {schedule}, "
+            f"mbs {self.microbatch_size} x m {self.microbatches}, recompute {self.recompute}, "
+            f"{ZERO_WORDS[self.zero]}"
         )

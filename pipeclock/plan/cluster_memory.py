@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import generate
 from pipeclock.models.partition import partition
-from pipeclock.plan import activations, calibration, experts
+from pipeclock.plan import activations, calibration, context_parallel, experts
 from pipeclock.plan.cluster_config import GRADIENTS, Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import schedule_table
@@ -157,7 +157,7 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
         # forward to the backward (`zero3_time`)
         weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
     weights += _fp8_copies(model, config, software, layers, dense)
-    tokens = config.microbatch_size * job.seq_len
+    tokens = context_parallel.local_tokens(config, job)  # a cp rank's share of the micro-batch
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     fp8 = software.saved_input_bytes
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, fp8)
@@ -172,7 +172,8 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
-    working = (max(rebuild, head) + messages) * tokens
+    exchange = context_parallel.working_bytes(model, config, job, software)  # cp's keys and values
+    working = (max(rebuild, head) + messages) * tokens + exchange
     return GpuMemory(weights, gradients, optimizer, kept, working)
 
 
@@ -217,7 +218,7 @@ def _states(model, config, software, parameters: float, layers: int) -> tuple[fl
     shards the masters with the moments, as Megatron-LM's distributed optimizer and FSDP do. Under a
     pipeline, ZeRO-3 keeps the rank's weights gathered and its gradients whole through the step's
     micro-batches (torch's pipelining turns resharding and gradient sync off until the last one)."""
-    dp, zero = config.dp, config.zero
+    dp, zero = config.replicas, config.zero  # the dp x cp ranks that hold the same weights
     mixed = software.dtype != "fp32"
     compute = 2 if mixed else MASTER_BYTES
     state = ADAM_BYTES + (MASTER_BYTES if mixed else 0)

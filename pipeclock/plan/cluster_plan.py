@@ -40,6 +40,7 @@ class Prediction:
             "pp": c.pp,
             "dp": c.dp,
             "ep": c.ep,
+            "cp": c.cp,
             "schedule": c.schedule,
             "chunks": c.chunks,
             "microbatch_size": c.microbatch_size,

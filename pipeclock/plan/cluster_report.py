@@ -111,12 +111,13 @@ def _costs(p: Prediction) -> dict[str, float]:
 
 def _layout(p: Prediction) -> tuple:
     c = p.config
-    return c.tp, c.pp, c.dp, c.schedule, c.chunks
+    return c.tp, c.cp, c.pp, c.dp, c.schedule, c.chunks
 
 
 def _layout_text(p: Prediction) -> str:
     c = p.config
-    return f"tp {c.tp} x pp {c.pp} x dp {c.dp} layout"
+    cp = f" x cp {c.cp}" if c.cp > 1 else ""
+    return f"tp {c.tp}{cp} x pp {c.pp} x dp {c.dp} layout"
 
 
 def memory_line(p: Prediction) -> str:

@@ -25,7 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeclock.plan import activations, attention_core, calibration, experts, gemm_efficiency, zero3_time
+from pipeclock.plan import (
+    activations,
+    attention_core,
+    calibration,
+    context_parallel,
+    experts,
+    gemm_efficiency,
+    zero3_time,
+)
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import (
     layer_parameters_per_gpu,
@@ -87,8 +95,8 @@ class Rates:
 
 
 def layer_time(model: PaperModel, config: Config, job: Job, software: Software, rates: Rates) -> LayerTime:
-    """One layer's costs for one micro-batch (the module's rules)."""
-    tokens = config.microbatch_size * job.seq_len
+    """One layer's costs for one micro-batch (the module's rules), on one of its cp ranks."""
+    tokens = context_parallel.local_tokens(config, job)
     tp, a = config.tp, rates.a
     each = [(g, _gemm_seconds(g, tokens, model, tp, a, rates)) for g in model.gemms()]
     products = sum(seconds for _, seconds in each)
@@ -100,7 +108,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     collectives *= 0.5 if model.kind == "mlp" else 2.0
     exchange = experts.exchange(model, config, job, software, rates.gpu)
     scores = attention_core.score_seconds(model, config, job, software, rates)
-    forward = products + attention + scores + elementwise + collectives + exchange.forward
+    kv = context_parallel.exchange(model, config, job, software, rates.gpu, attention)
+    forward = products + attention + scores + elementwise + collectives + exchange.forward + kv.forward
     again = {
         "none": 0.0,
         "selective-attention": attention + scores,
@@ -108,7 +117,7 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
         "full": forward,
     }[config.recompute]
     exposed = collectives - _backward_hidden(collectives, each, software)
-    backward = products + 2.5 * attention + 2 * (elementwise + scores) + exposed + again
+    backward = products + 2.5 * attention + 2 * (elementwise + scores) + exposed + again + kv.backward
     return LayerTime(
         forward=forward,
         input_grad=backward + exchange.backward,
@@ -197,13 +206,13 @@ def blocks(model: PaperModel, cut: range) -> list[tuple[PaperModel, int]]:
 
 def _layer_key(model, config, job, software) -> tuple:
     return (model, config.tp, config.sequence_parallel, config.recompute, config.microbatch_size, job,
-            software)  # fmt: skip
+            software, config.cp)  # fmt: skip
 
 
 def _layer_and_ends(model, config, job, software, rates) -> tuple[LayerTime, dict]:
     key = _layer_key(model, config, job, software)
     if key not in rates.per_layer:
-        tokens = config.microbatch_size * job.seq_len
+        tokens = context_parallel.local_tokens(config, job)
         ends = _ends(model, config, tokens, software, rates)
         rates.per_layer[key] = layer_time(model, config, job, software, rates), ends
     return rates.per_layer[key]
@@ -243,10 +252,11 @@ def message_seconds(model, config, job, rates) -> float:
     """What one stage-to-stage message costs: an activation (or its gradient) of one micro-batch, split
     over the tp ranks, on the node's link or, past a node, the network. Without sequence parallel each
     tp rank holds the whole activation, sends its 1/tp share and gathers the rest from its node's
-    ranks on arrival (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1)."""
-    tokens = config.microbatch_size * job.seq_len
+    ranks on arrival (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1). A cp rank sends its
+    own tokens to the next stage's same cp rank, tp x cp ranks away."""
+    tokens = context_parallel.local_tokens(config, job)
     whole = tokens * model.hidden * rates.a
-    crosses_nodes = config.tp * config.pp > rates.gpu.gpus_per_node
+    crosses_nodes = config.tp * config.cp * config.pp > rates.gpu.gpus_per_node
     link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
     seconds = calibration.COLLECTIVE_LATENCY + whole / config.tp / (link * calibration.LINK_EFFICIENCY)
     if config.tp > 1 and not config.sequence_parallel:
@@ -299,7 +309,7 @@ def optimizer_seconds(model: PaperModel, config: Config, rates: Rates) -> float:
     """Adam's pass over the states a GPU updates (its shard of them under ZeRO)."""
     held = model.parameters() if config.zero >= 1 else experts.parameters_per_pipeline(model, config)
     parameters = held / (config.pp * config.tp)  # under ZeRO, a rank's share of the experts is 1/dp anyway
-    return parameters * OPTIMIZER_BYTES / (config.dp if config.zero >= 1 else 1) / rates.memory
+    return parameters * OPTIMIZER_BYTES / (config.replicas if config.zero >= 1 else 1) / rates.memory
 
 
 def data_parallel_seconds(model, config, software, rates, costs, run: Simulated | None, unit: float) -> float:
@@ -314,13 +324,13 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     (a floor for the search), only that last case counts: the others may all be hidden.
     """
     per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
-    if config.dp == 1 or (run is None and not per_microbatch):
+    if config.replicas == 1 or (run is None and not per_microbatch):
         return 0.0
     link = rates.gpu.intra_node_bandwidth if config.gpus <= rates.gpu.gpus_per_node else (
         rates.gpu.inter_node_bandwidth
     )  # fmt: skip
     link *= calibration.LINK_EFFICIENCY
-    share = (config.dp - 1) / config.dp
+    share = (config.replicas - 1) / config.replicas  # dp x cp ranks hold the same weights
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4
     cuts = stage_layers(model, config)

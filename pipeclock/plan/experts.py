@@ -158,8 +158,8 @@ def exchange(model: PaperModel, config: Config, job: Job, software: Software, gp
     """One MoE layer's all-to-alls for one micro-batch (the module's rules); nothing without ep."""
     if config.ep == 1 or not model.is_moe:
         return NO_EXCHANGE
-    inside, between = copies(model, config.ep, config.tp, gpu)
-    tokens = config.microbatch_size * job.seq_len / config.tp  # each tp rank sends its share of the tokens
+    inside, between = copies(model, config.ep, config.tp * config.cp, gpu)  # ep ranks tp x cp apart
+    tokens = config.microbatch_size * job.seq_len / config.cp / config.tp  # each rank sends its tokens
     back = software.activation_bytes
     out = FP8_BYTES if software.dtype == "fp8" else back
     nvlink = gpu.intra_node_bandwidth * calibration.LINK_EFFICIENCY

@@ -1,7 +1,9 @@
 """The search: every way to run the job on the cluster, the ones that fit, ranked by tokens/s.
 
 The knobs: tp (a divisor of the node's GPU count, and of the heads), pp (at most the layer count), dp
-(the rest; it must divide the global batch), the micro-batch size (a divisor of each replica's share),
+(the rest; it must divide the global batch), cp (context parallel, `pipeclock.plan.context_parallel`:
+for sequences of 32,768 tokens or more, 1, 2, 4, 8 and 16 where they divide the GPUs; else 1 unless
+``--fix cp=N`` asks), the micro-batch size (a divisor of each replica's share),
 the schedule (pipeclock's seven; one stage needs none) with its chunks per rank (interleaving: 2, 3, 4,
 6 or 8 while every stage keeps a layer; a V: 2), recompute, the ZeRO stage, and sequence parallel.
 
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
-from pipeclock.plan import experts
+from pipeclock.plan import context_parallel, experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory, static_floor
 from pipeclock.plan.cluster_plan import Prediction, rate
@@ -44,8 +46,12 @@ from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_time import pipeline_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
+DEGREES = ("tp", "cp", "pp", "dp")  # the layout's degrees, innermost first
+# A free search tries context parallel for sequences this long (below, attention's share of the work is
+# small and cp only adds its exchange), at powers of two up to this degree
+CP_SEARCHED_FROM, CP_SEARCHED_UP_TO = 32768, 16
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
-FIXABLE = ("tp", "pp", "dp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
+FIXABLE = ("tp", "pp", "dp", "cp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
 
 
 class SearchError(ValueError):
@@ -200,7 +206,7 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
     found = False
-    for tp, pp, dp in layouts:
+    for tp, cp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
         for size, (schedule, chunks) in itertools.product(sizes, _schedules(model, pp, fixed)):
@@ -208,12 +214,12 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 continue
             for recompute, zero, sp, ep in itertools.product(
                 _choice(fixed, "recompute", RECOMPUTES),
-                _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+                _choice(fixed, "zero", ZERO_STAGES if dp * cp > 1 else (0,)),
                 _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
                 experts.ep_choices(model, dp, fixed),
             ):
                 found = True
-                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep)
+                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp)
     if not found:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
@@ -232,13 +238,13 @@ def config_groups(
     if not layouts:
         raise SearchError(_no_layout(model, cluster, job, fixed))
     number = 0
-    for tp, pp, dp in layouts:
+    for tp, cp, pp, dp in layouts:
         local = job.global_batch // dp
         sizes = [fixed["microbatch-size"]] if "microbatch-size" in fixed else _divisors(local)
         schedules = list(_schedules(model, pp, fixed))
         inner = list(itertools.product(
             _choice(fixed, "recompute", RECOMPUTES),
-            _choice(fixed, "zero", ZERO_STAGES if dp > 1 else (0,)),
+            _choice(fixed, "zero", ZERO_STAGES if dp * cp > 1 else (0,)),
             _choice(fixed, "sp", (False, True) if tp > 1 else (False,)),
             experts.ep_choices(model, dp, fixed),
         ))  # fmt: skip
@@ -250,7 +256,9 @@ def config_groups(
                 members = [(name, v, number + j * len(inner) + i) for j, (name, v) in enumerate(schedules)]
                 if members:
                     yield (
-                        Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep),
+                        Config(
+                            tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp
+                        ),
                         members,
                     )
             number += len(schedules) * len(inner)
@@ -261,8 +269,25 @@ def config_groups(
         )
 
 
-def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
-    count, per_node = cluster.count, cluster.kind.gpus_per_node
+def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp): for each cp (`_cp_choices`), tp, pp and dp of the GPUs it leaves."""
+    for cp in _cp_choices(model, cluster, job, fixed):
+        for tp, pp, dp in _layouts_of(model, cluster.count // cp, cluster.kind.gpus_per_node, job, fixed):
+            yield tp, cp, pp, dp
+
+
+def _cp_choices(model, cluster, job, fixed) -> tuple[int, ...]:
+    """The fixed cp; else 1, and for sequences of `CP_SEARCHED_FROM` tokens or more the powers of two up to
+    `CP_SEARCHED_UP_TO` that divide the GPUs and split the sequence into 2 x cp chunks."""
+    if "cp" in fixed:
+        return (fixed["cp"],)
+    if job.seq_len < CP_SEARCHED_FROM or model.kind == "mlp":
+        return (1,)
+    wanted = (2**k for k in range(CP_SEARCHED_UP_TO.bit_length()))
+    return tuple(cp for cp in wanted if cp == 1 or (cluster.count % cp == 0 and job.seq_len % (2 * cp) == 0))
+
+
+def _layouts_of(model, count: int, per_node: int, job, fixed) -> Iterator[tuple[int, int, int]]:
     for tp in _divisors(min(per_node, count)):
         if count % tp or (model.kind == "transformer" and model.heads % tp) or model.hidden % tp:
             continue
@@ -312,16 +337,19 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
     if fixed.get("pp", 1) > model.layers:
         raise SearchError(f"--fix pp={fixed['pp']} is more than the model's {model.layers} layers")
     product = 1
-    for knob in ("tp", "pp", "dp"):
+    for knob in DEGREES:
         product *= fixed.get(knob, 1)
+    named = [k for k in DEGREES if k in fixed]
     if all(k in fixed for k in ("tp", "pp", "dp")) and product != cluster.count:
         raise SearchError(
-            f"--fix tp x pp x dp = {fixed['tp']} x {fixed['pp']} x {fixed['dp']} = {product}, not the "
+            f"--fix {' x '.join(named)} = {' x '.join(str(fixed[k]) for k in named)} = {product}, not the "
             f"cluster's {cluster.count} GPUs"
         )
     if cluster.count % product:
-        raise SearchError(f"--fix {'x'.join(k for k in ('tp', 'pp', 'dp') if k in fixed)} = {product} "
+        raise SearchError(f"--fix {'x'.join(named)} = {product} "
                           f"does not divide the cluster's {cluster.count} GPUs")  # fmt: skip
+    if context_parallel.refusal(model, job, fixed):
+        raise SearchError(context_parallel.refusal(model, job, fixed))
     if model.kind == "transformer" and model.heads % fixed.get("tp", 1):
         raise SearchError(f"--fix tp={fixed['tp']} does not divide the model's {model.heads} heads")
     if "dp" in fixed and job.global_batch % fixed["dp"]:
@@ -341,9 +369,9 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
 
 
 def _no_layout(model, cluster, job, fixed) -> str:
-    if any(k in fixed for k in ("tp", "pp", "dp", "ep")):
+    if any(k in fixed for k in ("tp", "pp", "dp", "ep", "cp")):
         return (
-            f"no tp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
+            f"no tp x cp x pp x dp of {cluster.count} GPUs matches --fix and divides --global-batch "
             f"{job.global_batch} by dp"
         )
     return (
