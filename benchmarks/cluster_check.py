@@ -244,12 +244,7 @@ class Row:
 def rows() -> list[Row]:
     from pipeclock.cli.plan_cluster import parse_fix
 
-    titan_gpu = load_spec(CONFIGS / "h100-96gb-500w.json")
-    result = []
-    for table, name, size, gpus, batch, seq, soft, fix, tokens, memory, role in TITAN_ROWS:
-        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3.1 {size.upper()}")
-        result.append(Row(f"{TITAN} {table}", name, model, Cluster(gpus, titan_gpu), Job(batch, seq),
-                          Software(*soft), parse_fix(fix), tokens, None, memory, role))  # fmt: skip
+    result = titan_rows()
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, role in MEGATRON_ROWS:
         model = megatron_gpt(size, heads, hidden, layers)
         schedule = ",schedule=interleaved-1f1b" if pp > 1 else ""
@@ -258,6 +253,20 @@ def rows() -> list[Row]:
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
     return result + a100_rows() + published_h100.rows() + published_zero3.rows(Row)
+
+
+def titan_rows() -> list[Row]:
+    """torchtitan's runs; its tensor parallel (torch's ``ColwiseParallel``) keeps the gathered inputs."""
+    from pipeclock.cli.plan_cluster import parse_fix
+
+    titan_gpu = load_spec(CONFIGS / "h100-96gb-500w.json")
+    result = []
+    for table, name, size, gpus, batch, seq, soft, fix, tokens, memory, role in TITAN_ROWS:
+        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3.1 {size.upper()}")
+        result.append(Row(f"{TITAN} {table}", name, model, Cluster(gpus, titan_gpu), Job(batch, seq),
+                          Software(*soft, tp_gathered_inputs=True), parse_fix(fix), tokens, None, memory,
+                          role))  # fmt: skip
+    return result
 
 
 def a100_rows() -> list[Row]:

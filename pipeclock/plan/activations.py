@@ -23,8 +23,12 @@ its input, attention's output and the outputs of every other matrix product in t
 (k, o, up) and every elementwise operation, in its backward.
 
 Tensor parallel divides the head-sized and FFN-sized tensors by tp (at least one key/value head per
-rank); sequence parallel divides the width-sized ones too. The ShardedMLP keeps each layer's input and
-its ReLU's output.
+rank); sequence parallel divides the width-sized ones too. Under sequence parallel a column-parallel
+product multiplies its input gathered over the sequence: Megatron-LM keeps the sequence shard for the
+backward and gathers it again there (``LinearWithGradAccumulationAndAsyncCommunication``,
+megatron/core/tensor_parallel/layers.py), while torch's ``ColwiseParallel`` hands the gathered tensor to
+the product, which keeps it (``gathered``, ``Software.tp_gathered_inputs``): the attention's and the
+MLP's inputs, and the head's, whole. The ShardedMLP keeps each layer's input and its ReLU's output.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ def norm_bytes(model: PaperModel, a: int, fused: bool) -> float:
 
 
 def layer_bytes(
-    model: PaperModel, recompute: str, a: int, fused: bool = False, tp: int = 1, sp: bool = False
+    model: PaperModel,
+    recompute: str,
+    a: int,
+    fused: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    gathered: bool = False,
 ) -> float:
     """Bytes one layer keeps per token from its forward to its backward (see the module's list)."""
     h = model.hidden
@@ -54,7 +64,7 @@ def layer_bytes(
     kv, q = kv_width(model, tp), model.q_dim / tp
     lse = model.heads / tp * LSE_BYTES
     if recompute == "selective-attention":
-        return layer_bytes(model, "none", a, fused, tp, sp) - lse
+        return layer_bytes(model, "none", a, fused, tp, sp, gathered) - lse
     if recompute == "selective-op":
         kept = sum(output_width(model, g, tp, sp) * g.count for g in model.gemms() if g.kept)
         return (h / width + kept + q) * a + lse
@@ -64,7 +74,8 @@ def layer_bytes(
     mlp = (3.0 if fused else 4.0) * ffn * a if model.gated else 2.0 * ffn * a
     if model.is_moe:
         mlp += model.experts * 4  # the router's fp32 scores
-    return 2.0 * norm_bytes(model, a, fused) / width + attention + mlp
+    inputs = 2.0 * h * a if (gathered and sp and tp > 1) else 0.0  # attention's and the MLP's, gathered
+    return 2.0 * norm_bytes(model, a, fused) / width + attention + mlp + inputs
 
 
 def kv_width(model: PaperModel, tp: int) -> float:
@@ -85,12 +96,16 @@ def output_width(model: PaperModel, gemm: Gemm, tp: int, sp: bool) -> float:
     return gemm.n / tp
 
 
-def head_bytes(model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False) -> float:
-    """What the head keeps per token: its norm's tensors and the loss's fp32 log-probabilities over the
-    vocabulary (split over tp by a vocabulary-parallel loss)."""
+def head_bytes(
+    model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False, gathered: bool = False
+) -> float:
+    """What the head keeps per token: its norm's tensors, its product's input gathered over the sequence
+    where the product keeps it (``gathered``, under sequence parallel), and the loss's fp32
+    log-probabilities over the vocabulary (split over tp by a vocabulary-parallel loss)."""
     if model.kind == "mlp":
         return 0.0
-    return norm_bytes(model, a, fused) / (tp if sp else 1) + 4.0 * model.vocab / tp
+    kept = norm_bytes(model, a, fused) / (tp if sp else 1) + 4.0 * model.vocab / tp
+    return kept + (model.hidden * a if (gathered and sp and tp > 1) else 0.0)
 
 
 def head_backward_bytes(model: PaperModel, a: int, tp: int = 1) -> float:

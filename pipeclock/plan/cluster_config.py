@@ -41,7 +41,9 @@ class Software:
     computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
     allreduce`` turns it off); hidden up to those weight gradients' time.
     ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
-    others' reach."""
+    others' reach. ``tp_gathered_inputs``: under sequence parallel, the column-parallel products keep
+    their inputs gathered over the sequence for the backward, as torch's ``ColwiseParallel`` (torchtitan)
+    does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`)."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -50,6 +52,7 @@ class Software:
     gradients: str = "fp32"
     tp_backward_overlap: bool = False
     deepspeed: bool = False
+    tp_gathered_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -156,16 +156,17 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
         weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
-    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp)
+    gathered = software.tp_gathered_inputs
+    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, gathered)
     most_layers = max(len(cuts[s]) for s in stages)
     held_all, held_last = held
     kept = held_all * most_layers * per_layer * tokens
     if last:
-        kept += held_last * activations.head_bytes(model, a, fused, tp, sp) * tokens
+        kept += held_last * activations.head_bytes(model, a, fused, tp, sp, gathered) * tokens
     rebuild = {
         "none": 0.0,
         "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
-    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp))
+    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, gathered))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     working = (max(rebuild, head) + messages) * tokens
