@@ -27,8 +27,9 @@ rank); sequence parallel divides the width-sized ones too. Under sequence parall
 product multiplies its input gathered over the sequence: Megatron-LM keeps the sequence shard for the
 backward and gathers it again there (``LinearWithGradAccumulationAndAsyncCommunication``,
 megatron/core/tensor_parallel/layers.py), while torch's ``ColwiseParallel`` hands the gathered tensor to
-the product, which keeps it (``gathered``, ``Software.tp_gathered_inputs``): the attention's and the
-MLP's inputs, and the head's, whole. The ShardedMLP keeps each layer's input and its ReLU's output.
+the product, which keeps it (``Software.tp_gathered_inputs``): the attention's and the MLP's inputs, and
+the head's, whole, at ``gathered`` bytes an element (torchao's ``Float8ColwiseParallel`` casts to
+float8 before it gathers: one byte). The ShardedMLP keeps each layer's input and its ReLU's output.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def layer_bytes(
     fused: bool = False,
     tp: int = 1,
     sp: bool = False,
-    gathered: bool = False,
+    gathered: float = 0.0,
 ) -> float:
-    """Bytes one layer keeps per token from its forward to its backward (see the module's list)."""
+    """Bytes one layer keeps per token from its forward to its backward (see the module's list);
+    ``gathered``: the bytes of an element of the inputs its products keep gathered (0: none kept)."""
     h = model.hidden
     width = tp if sp else 1  # what divides the width-sized tensors
     if model.kind == "mlp":
@@ -74,7 +76,7 @@ def layer_bytes(
     mlp = (3.0 if fused else 4.0) * ffn * a if model.gated else 2.0 * ffn * a
     if model.is_moe:
         mlp += model.experts * 4  # the router's fp32 scores
-    inputs = 2.0 * h * a if (gathered and sp and tp > 1) else 0.0  # attention's and the MLP's, gathered
+    inputs = 2.0 * h * gathered if (sp and tp > 1) else 0.0  # the attention's and the MLP's, gathered
     return 2.0 * norm_bytes(model, a, fused) / width + attention + mlp + inputs
 
 
@@ -97,15 +99,15 @@ def output_width(model: PaperModel, gemm: Gemm, tp: int, sp: bool) -> float:
 
 
 def head_bytes(
-    model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False, gathered: bool = False
+    model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False, gathered: float = 0.0
 ) -> float:
     """What the head keeps per token: its norm's tensors, its product's input gathered over the sequence
-    where the product keeps it (``gathered``, under sequence parallel), and the loss's fp32
-    log-probabilities over the vocabulary (split over tp by a vocabulary-parallel loss)."""
+    where the product keeps it (``gathered`` bytes an element, under sequence parallel), and the loss's
+    fp32 log-probabilities over the vocabulary (split over tp by a vocabulary-parallel loss)."""
     if model.kind == "mlp":
         return 0.0
     kept = norm_bytes(model, a, fused) / (tp if sp else 1) + 4.0 * model.vocab / tp
-    return kept + (model.hidden * a if (gathered and sp and tp > 1) else 0.0)
+    return kept + (model.hidden * gathered if (sp and tp > 1) else 0.0)
 
 
 def head_backward_bytes(model: PaperModel, a: int, tp: int = 1) -> float:

@@ -43,7 +43,9 @@ class Software:
     ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
     others' reach. ``tp_gathered_inputs``: under sequence parallel, the column-parallel products keep
     their inputs gathered over the sequence for the backward, as torch's ``ColwiseParallel`` (torchtitan)
-    does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`)."""
+    does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`); under
+    fp8 the blocks' in float8 (torchao's ``Float8ColwiseParallel`` gathers them cast), the head's in bf16
+    (torchtitan leaves its output layer out of float8)."""
 
     dtype: str = "bf16"
     fused: bool = False

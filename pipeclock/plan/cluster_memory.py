@@ -156,13 +156,16 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
         weights += _root_parameters(model, config.tp) * (MASTER_BYTES if software.dtype == "fp32" else 2)
     tokens = config.microbatch_size * job.seq_len
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
-    gathered = software.tp_gathered_inputs
+    # the inputs torch's tensor parallel keeps gathered: float8 in the blocks' fp8 products, the head's
+    # (kept in bf16 by torchtitan's float8 conversion) an activation's bytes
+    gathered = (1 if software.dtype == "fp8" else a) if software.tp_gathered_inputs else 0
+    head_gathered = a if software.tp_gathered_inputs else 0
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, gathered)
     most_layers = max(len(cuts[s]) for s in stages)
     held_all, held_last = held
     kept = held_all * most_layers * per_layer * tokens
     if last:
-        kept += held_last * activations.head_bytes(model, a, fused, tp, sp, gathered) * tokens
+        kept += held_last * activations.head_bytes(model, a, fused, tp, sp, head_gathered) * tokens
     rebuild = {
         "none": 0.0,
         "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
