@@ -260,13 +260,7 @@ class Row:
 def rows() -> list[Row]:
     from pipeclock.cli.plan_cluster import parse_fix
 
-    titan_gpu = load_spec(CONFIGS / "h100-96gb-500w.json")
-    result = []
-    for table, name, size, gpus, batch, seq, soft, fix, tokens, memory, role in TITAN_ROWS:
-        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3.1 {size.upper()}")
-        result.append(Row(f"{TITAN} {table}", name, model, Cluster(gpus, titan_gpu), Job(batch, seq),
-                          soft if isinstance(soft, Software) else Software(*soft), parse_fix(fix), tokens,
-                          None, memory, role))  # fmt: skip
+    result = titan_rows()
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, role in MEGATRON_ROWS:
         model = megatron_gpt(size, heads, hidden, layers)
         schedule = ",schedule=interleaved-1f1b" if pp > 1 else ""
@@ -275,6 +269,26 @@ def rows() -> list[Row]:
                           Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
                           role))  # fmt: skip
     return result + a100_rows() + published_h100.rows() + published_zero3.rows(Row)
+
+
+def titan_rows() -> list[Row]:
+    """torchtitan's runs; its tensor parallel (torch's ``ColwiseParallel``) keeps the gathered inputs."""
+    from pipeclock.cli.plan_cluster import parse_fix
+
+    titan_gpu = load_spec(CONFIGS / "h100-96gb-500w.json")
+    result = []
+    for table, name, size, gpus, batch, seq, soft, fix, tokens, memory, role in TITAN_ROWS:
+        model = paper_model(read_config(CONFIGS / f"llama-3.1-{size}.json"), f"Llama 3.1 {size.upper()}")
+        result.append(Row(f"{TITAN} {table}", name, model, Cluster(gpus, titan_gpu), Job(batch, seq),
+                          titan_software(soft), parse_fix(fix), tokens, None, memory, role))  # fmt: skip
+    return result
+
+
+def titan_software(soft: Software | tuple) -> Software:
+    """A torchtitan row's software: its tensor parallel keeps the gathered inputs."""
+    if isinstance(soft, Software):
+        return dataclasses.replace(soft, tp_gathered_inputs=True)
+    return Software(*soft, tp_gathered_inputs=True)
 
 
 def a100_rows() -> list[Row]:

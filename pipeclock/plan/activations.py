@@ -30,8 +30,13 @@ keeps its own bf16 copy of its output, and the norms' inputs and the MLP's first
 activation function differentiates) stay bf16.
 
 Tensor parallel divides the head-sized and FFN-sized tensors by tp (at least one key/value head per
-rank); sequence parallel divides the width-sized ones too. The ShardedMLP keeps each layer's input and
-its ReLU's output.
+rank); sequence parallel divides the width-sized ones too. Under sequence parallel a column-parallel
+product multiplies its input gathered over the sequence: Megatron-LM keeps the sequence shard for the
+backward and gathers it again there (``LinearWithGradAccumulationAndAsyncCommunication``,
+megatron/core/tensor_parallel/layers.py), while torch's ``ColwiseParallel`` hands the gathered tensor to
+the product, which keeps it (``Software.tp_gathered_inputs``): the attention's and the MLP's inputs, and
+the head's, whole, at ``gathered`` bytes an element (torchao's ``Float8ColwiseParallel`` casts to
+float8 before it gathers: one byte). The ShardedMLP keeps each layer's input and its ReLU's output.
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ def layer_bytes(
     tp: int = 1,
     sp: bool = False,
     fp8: int | None = None,
+    gathered: float = 0.0,
 ) -> float:
     """Bytes one layer keeps per token from its forward to its backward (see the module's list); ``fp8``:
-    the bytes of an element that a product keeps of its input, when it keeps its fp8 cast (None: ``a``)."""
+    the bytes of an element that a product keeps of its input, when it keeps its fp8 cast (None: ``a``);
+    ``gathered``: the bytes of an element of the inputs its products keep gathered (0: none kept)."""
     h = model.hidden
     width = tp if sp else 1  # what divides the width-sized tensors
     if model.kind == "mlp":
@@ -70,7 +77,7 @@ def layer_bytes(
     kv, q = kv_width(model, tp), model.q_dim / tp
     lse = model.heads / tp * LSE_BYTES
     if recompute == "selective-attention":
-        return layer_bytes(model, "none", a, fused, tp, sp, fp8) - lse
+        return layer_bytes(model, "none", a, fused, tp, sp, fp8, gathered) - lse
     if recompute == "selective-op":
         kept = sum(output_width(model, g, tp, sp) * g.count for g in model.gemms() if g.kept)
         return (h / width + kept + q) * a + lse
@@ -83,7 +90,8 @@ def layer_bytes(
     mlp = ((2.0 if fused else 3.0) * a + last) * ffn if model.gated else (a + last) * ffn
     if model.is_moe:
         mlp += model.experts * 4  # the router's fp32 scores
-    return 2.0 * norm_bytes(model, a, fused, fp8) / width + attention + mlp
+    inputs = 2.0 * h * gathered if (sp and tp > 1) else 0.0  # the attention's and the MLP's, gathered
+    return 2.0 * norm_bytes(model, a, fused, fp8) / width + attention + mlp + inputs
 
 
 def kv_width(model: PaperModel, tp: int) -> float:
@@ -104,12 +112,16 @@ def output_width(model: PaperModel, gemm: Gemm, tp: int, sp: bool) -> float:
     return gemm.n / tp
 
 
-def head_bytes(model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False) -> float:
-    """What the head keeps per token: its norm's tensors and the loss's fp32 log-probabilities over the
-    vocabulary (split over tp by a vocabulary-parallel loss)."""
+def head_bytes(
+    model: PaperModel, a: int, fused: bool = False, tp: int = 1, sp: bool = False, gathered: float = 0.0
+) -> float:
+    """What the head keeps per token: its norm's tensors, its product's input gathered over the sequence
+    where the product keeps it (``gathered`` bytes an element, under sequence parallel), and the loss's
+    fp32 log-probabilities over the vocabulary (split over tp by a vocabulary-parallel loss)."""
     if model.kind == "mlp":
         return 0.0
-    return norm_bytes(model, a, fused) / (tp if sp else 1) + 4.0 * model.vocab / tp
+    kept = norm_bytes(model, a, fused) / (tp if sp else 1) + 4.0 * model.vocab / tp
+    return kept + (model.hidden * gathered if (sp and tp > 1) else 0.0)
 
 
 def head_backward_bytes(model: PaperModel, a: int, tp: int = 1) -> float:

@@ -60,7 +60,11 @@ class Software:
     (`CP_EXCHANGES`); ``repeat_kv``: the model repeats grouped-query attention's key and value heads to
     the query heads before attention (torchtitan's Llama of 2024, ``repeat_kv`` before
     ``scaled_dot_product_attention``), so that context parallel moves keys and values as wide as the
-    queries."""
+    queries. ``tp_gathered_inputs``: under sequence parallel, the column-parallel products keep
+    their inputs gathered over the sequence for the backward, as torch's ``ColwiseParallel`` (torchtitan)
+    does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`); under
+    fp8 the blocks' in float8 (torchao's ``Float8ColwiseParallel`` gathers them cast), the head's in bf16
+    (torchtitan leaves its output layer out of float8)."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -72,6 +76,7 @@ class Software:
     fp8: str = "torchao"
     cp_exchange: str = "all-gather"
     repeat_kv: bool = False
+    tp_gathered_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_exchange not in CP_EXCHANGES:

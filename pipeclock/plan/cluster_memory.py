@@ -160,16 +160,20 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     tokens = context_parallel.local_tokens(config, job)  # a cp rank's share of the micro-batch
     a, fused, tp, sp = software.activation_bytes, software.fused, config.tp, config.sequence_parallel
     fp8 = software.saved_input_bytes
-    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, fp8)
+    # the inputs torch's tensor parallel keeps gathered: float8 in the blocks' fp8 products, the head's
+    # (kept in bf16 by torchtitan's float8 conversion) an activation's bytes
+    gathered = (1 if software.dtype == "fp8" else a) if software.tp_gathered_inputs else 0
+    head_gathered = a if software.tp_gathered_inputs else 0
+    per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, fp8, gathered)
     most_layers = max(len(cuts[s]) for s in stages)
     held_all, held_last = held
     kept = held_all * most_layers * per_layer * tokens
     if last:
-        kept += held_last * activations.head_bytes(model, a, fused, tp, sp) * tokens
+        kept += held_last * activations.head_bytes(model, a, fused, tp, sp, head_gathered) * tokens
     rebuild = {
         "none": 0.0,
         "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
-    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8))
+    }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8, gathered))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
     exchange = context_parallel.working_bytes(model, config, job, software)  # cp's keys and values
