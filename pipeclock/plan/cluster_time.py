@@ -25,7 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeclock.plan import activations, attention_core, calibration, experts, gemm_efficiency, zero3_time
+from pipeclock.plan import (
+    activations,
+    attention_core,
+    calibration,
+    experts,
+    gemm_efficiency,
+    group_link,
+    zero3_time,
+)
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_memory import (
     layer_parameters_per_gpu,
@@ -316,10 +324,7 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
     if config.dp == 1 or (run is None and not per_microbatch):
         return 0.0
-    link = rates.gpu.intra_node_bandwidth if config.gpus <= rates.gpu.gpus_per_node else (
-        rates.gpu.inter_node_bandwidth
-    )  # fmt: skip
-    link *= calibration.LINK_EFFICIENCY
+    link = group_link.bandwidth(config, rates.gpu) * calibration.LINK_EFFICIENCY  # k NICs a node
     share = (config.dp - 1) / config.dp
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4

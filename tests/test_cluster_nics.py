@@ -1,0 +1,69 @@
+"""A data-parallel collective's link per rank (`pipeclock.plan.group_link`): the NICs its group's ranks own
+on each node, as NCCL lays its channels over them, up to the node's own link; with tp 8 a node holds one
+rank of a group, and the exchange is what it was on one NIC."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipeclock.plan import calibration
+from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_time import Rates, data_parallel_seconds, step_time
+from pipeclock.plan.gpus import KINDS
+from pipeclock.plan.group_link import bandwidth, ranks_per_node
+from pipeclock.plan.paper_model import PaperModel
+
+H100, A100, RTX4090 = KINDS["H100-80GB"], KINDS["A100-80GB"], KINDS["RTX4090"]
+ONE_PER_NODE = replace(H100, gpus_per_node=1)  # every rank its own node: one NIC for each, always
+MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
+                   vocab=32000)  # fmt: skip
+
+
+def config(tp: int, pp: int, dp: int, zero: int = 1, microbatches: int = 4) -> Config:
+    return Config(tp=tp, pp=pp, dp=dp, schedule="1f1b", chunks=1, microbatch_size=1,
+                  microbatches=microbatches, recompute="none", zero=zero,
+                  sequence_parallel=tp > 1)  # fmt: skip
+
+
+def test_a_node_holds_eight_over_tp_times_pp_ranks_of_a_data_parallel_group():
+    layouts = [(8, 1, 32), (2, 1, 32), (1, 1, 64), (2, 2, 16), (1, 16, 4), (1, 1, 4)]
+    assert [ranks_per_node(config(*layout), H100) for layout in layouts] == [1, 4, 8, 2, 1, 4]
+    assert ranks_per_node(config(1, 1, 12), H100) == 4  # nodes of 8 and 4: the emptier sets the pace
+
+
+def test_a_tp_8_layout_gets_one_nic_a_rank_as_before():
+    assert bandwidth(config(8, 1, 32), H100) == H100.inter_node_bandwidth
+    assert bandwidth(config(8, 4, 8), A100) == A100.inter_node_bandwidth
+    assert bandwidth(config(4, 2, 8), A100) == A100.inter_node_bandwidth
+
+
+def test_k_ranks_a_node_get_k_nics_until_the_node_link_is_the_slower():
+    assert bandwidth(config(2, 1, 32), H100) == 4 * H100.inter_node_bandwidth
+    assert bandwidth(config(1, 1, 64), H100) == 8 * H100.inter_node_bandwidth  # 400 GB/s under NVLink's 450
+    assert bandwidth(config(1, 1, 384), A100) == 8 * A100.inter_node_bandwidth  # 200 GB/s under 300
+    assert bandwidth(config(1, 1, 64), RTX4090) == RTX4090.intra_node_bandwidth  # PCIe: 32 < 8 x 12.5
+    assert bandwidth(config(1, 1, 8), H100) == H100.intra_node_bandwidth  # one node: NVLink alone
+
+
+def test_an_exchange_nothing_hides_takes_one_kth_of_the_time_on_k_nics():
+    software = Software("bf16")
+    layout = config(2, 1, 32, zero=2)  # ZeRO-2: each micro-batch's gradients, here with no compute to hide
+    latency = layout.microbatches * calibration.COLLECTIVE_LATENCY
+
+    def exposed(gpu) -> float:
+        return data_parallel_seconds(MODEL, layout, software, Rates(gpu, software), [{"B": 0.0}], None, 1.0)
+
+    assert exposed(ONE_PER_NODE) - latency == pytest.approx(4 * (exposed(H100) - latency))
+
+
+def test_a_tp_8_layouts_step_is_what_it_was_with_one_nic_a_rank():
+    job, software = Job(32 * 4, 2048), Software("bf16", fused=True)
+    eight, two = config(8, 1, 32), config(2, 1, 32)
+
+    def step(layout, gpu):
+        return step_time(MODEL, layout, job, software, gpu)
+
+    assert step(eight, H100) == step(eight, ONE_PER_NODE)
+    assert step(two, H100).dp < step(two, ONE_PER_NODE).dp
