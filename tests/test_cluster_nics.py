@@ -12,7 +12,7 @@ from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_time import Rates, data_parallel_seconds, step_time
 from pipeclock.plan.gpus import KINDS
-from pipeclock.plan.group_link import bandwidth, ranks_per_node
+from pipeclock.plan.group_link import bandwidth, group_in_one_node, message_crosses_nodes, ranks_per_node
 from pipeclock.plan.paper_model import PaperModel
 
 H100, A100, RTX4090 = KINDS["H100-80GB"], KINDS["A100-80GB"], KINDS["RTX4090"]
@@ -27,16 +27,28 @@ def config(tp: int, pp: int, dp: int, zero: int = 1, microbatches: int = 4) -> C
                   sequence_parallel=tp > 1)  # fmt: skip
 
 
-def test_a_node_holds_eight_over_tp_times_pp_ranks_of_a_data_parallel_group():
-    layouts = [(8, 1, 32), (2, 1, 32), (1, 1, 64), (2, 2, 16), (1, 16, 4), (1, 1, 4)]
-    assert [ranks_per_node(config(*layout), H100) for layout in layouts] == [1, 4, 8, 2, 1, 4]
+def test_a_node_holds_eight_over_tp_ranks_of_a_data_parallel_group_whatever_pp():
+    layouts = [(8, 1, 32), (2, 1, 32), (1, 1, 64), (2, 2, 16), (1, 16, 4), (4, 4, 4), (8, 16, 8)]
+    assert [ranks_per_node(config(*layout), H100) for layout in layouts] == [1, 4, 8, 4, 4, 2, 1]
     assert ranks_per_node(config(1, 1, 12), H100) == 4  # nodes of 8 and 4: the emptier sets the pace
 
 
 def test_a_tp_8_layout_gets_one_nic_a_rank_as_before():
     assert bandwidth(config(8, 1, 32), H100) == H100.inter_node_bandwidth
     assert bandwidth(config(8, 4, 8), A100) == A100.inter_node_bandwidth
-    assert bandwidth(config(4, 2, 8), A100) == A100.inter_node_bandwidth
+    assert bandwidth(config(4, 2, 8), A100) == 2 * A100.inter_node_bandwidth  # pp no longer splits a node
+
+
+def test_a_stage_that_fills_part_of_a_node_keeps_its_group_on_nvlink():
+    assert group_in_one_node(config(1, 4, 4), H100)  # 16 GPUs: stages 0-1 on one node, 2-3 on the other
+    assert bandwidth(config(1, 4, 4), H100) == H100.intra_node_bandwidth
+    assert not group_in_one_node(config(4, 4, 4), H100)  # a stage spans two nodes
+
+
+def test_pipeline_messages_cross_the_network_once_the_run_spans_nodes():
+    assert message_crosses_nodes(config(1, 4, 4), H100)  # stages 1 and 2 sit on different nodes
+    assert not message_crosses_nodes(config(1, 4, 2), H100)  # the whole pipeline in one node
+    assert not message_crosses_nodes(config(1, 1, 64), H100)  # no pipeline
 
 
 def test_k_ranks_a_node_get_k_nics_until_the_node_link_is_the_slower():

@@ -1,7 +1,9 @@
 """What a cluster plan chooses (`Config`) and what it takes as given (`Software`, `Job`).
 
-Ranks are laid out dp x pp x tp with tp innermost, as ``train --tp`` lays them out: the tp ranks of a
-stage are consecutive (one node), the stages of one pipeline tp ranks apart, the replicas tp x pp apart.
+A cluster run's ranks are laid out pp x dp x tp, pp outermost and tp innermost, as Megatron-LM
+(order tp-cp-ep-dp-pp) and torchtitan (mesh pp, dp_replicate, dp_shard, cp, tp) lay them out: the tp
+ranks of a stage are consecutive (one node), the replicas of a stage tp ranks apart, the stages of one
+pipeline dp x tp apart (sources: docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def message_seconds(model, config, job, rates) -> float:
     ranks on arrival (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1)."""
     tokens = config.microbatch_size * job.seq_len
     whole = tokens * model.hidden * rates.a
-    crosses_nodes = config.tp * config.pp > rates.gpu.gpus_per_node
+    crosses_nodes = group_link.message_crosses_nodes(config, rates.gpu)  # stages dp x tp ranks apart
     link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
     seconds = calibration.COLLECTIVE_LATENCY + whole / config.tp / (link * calibration.LINK_EFFICIENCY)
     if config.tp > 1 and not config.sequence_parallel:
