@@ -12,11 +12,18 @@ from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Config, Job, Software
 from pipeclock.plan.cluster_time import Rates, data_parallel_seconds, step_time
 from pipeclock.plan.gpus import KINDS
-from pipeclock.plan.group_link import bandwidth, group_in_one_node, message_crosses_nodes, ranks_per_node
+from pipeclock.plan.group_link import (
+    bandwidth,
+    group_in_one_node,
+    message_crosses_nodes,
+    one_nic_a_rank,
+    ranks_per_node,
+)
 from pipeclock.plan.paper_model import PaperModel
 
 H100, A100, RTX4090 = KINDS["H100-80GB"], KINDS["A100-80GB"], KINDS["RTX4090"]
 ONE_PER_NODE = replace(H100, gpus_per_node=1)  # every rank its own node: one NIC for each, always
+ONE_PER_NODE_A100 = replace(A100, gpus_per_node=1)
 MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
                    vocab=32000)  # fmt: skip
 
@@ -79,3 +86,22 @@ def test_a_tp_8_layouts_step_is_what_it_was_with_one_nic_a_rank():
 
     assert step(eight, H100) == step(eight, ONE_PER_NODE)
     assert step(two, H100).dp < step(two, ONE_PER_NODE).dp
+
+
+def test_deepspeeds_zero_3_keeps_one_nic_a_rank_and_its_zero_1_gets_the_nodes_nics():
+    deepspeed, plain = Software("bf16", deepspeed=True), Software("bf16")
+    zero3, zero1 = config(1, 1, 384, zero=3), config(8, 35, 8, zero=1)
+    assert one_nic_a_rank(zero3, deepspeed) and not one_nic_a_rank(zero3, plain)
+    assert not one_nic_a_rank(zero1, deepspeed)  # MT-NLG, BLOOM: ZeRO-1 under DeepSpeed
+    assert bandwidth(zero3, A100, deepspeed) == A100.inter_node_bandwidth
+    assert bandwidth(zero3, A100, plain) == 8 * A100.inter_node_bandwidth
+    assert bandwidth(config(2, 1, 32, zero=1), H100, deepspeed) == 4 * H100.inter_node_bandwidth
+    assert bandwidth(config(1, 1, 8, zero=3), A100, deepspeed) == A100.intra_node_bandwidth  # one node
+
+
+def test_deepspeeds_zero_3_step_is_the_one_nic_step():
+    job, deepspeed = Job(64, 2048), Software("bf16", fused=True, deepspeed=True)
+    layout = config(1, 1, 64, zero=3, microbatches=1)
+    assert step_time(MODEL, layout, job, deepspeed, A100) == step_time(
+        MODEL, layout, job, deepspeed, ONE_PER_NODE_A100
+    )

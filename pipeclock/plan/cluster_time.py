@@ -324,7 +324,7 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
     if config.dp == 1 or (run is None and not per_microbatch):
         return 0.0
-    link = group_link.bandwidth(config, rates.gpu) * calibration.LINK_EFFICIENCY  # k NICs a node
+    link = group_link.bandwidth(config, rates.gpu, software) * calibration.LINK_EFFICIENCY  # k NICs a node
     share = (config.dp - 1) / config.dp
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4

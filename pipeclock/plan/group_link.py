@@ -11,12 +11,17 @@ With tp 8 each node holds one rank of a group (one NIC: the flat model); with tp
 parallelism, all eight. A pipeline's neighbouring stages sit dp x tp ranks apart: once the run spans
 nodes, a stage-to-stage message crosses the network, one pair of ranks on one NIC each. The all-to-all of
 expert parallel is not a ring either: each rank's tokens leave through its own NIC
-(`pipeclock.plan.experts`). Sources and measurements: docs/cluster.md.
+(`pipeclock.plan.experts`).
+
+DeepSpeed's ZeRO-3 (``Software.deepspeed`` with ZeRO-3) is held to one NIC a rank: its published runs
+(Narayanan et al. 2021, Table 2) keep a step of about 67 s from 768 to 1,536 GPUs, a rank's bytes moving
+at one HDR NIC's rate; what DeepSpeed did to get no more is not measured anywhere found, so this is the
+rows' own reading, not a mechanism. Sources and measurements: docs/cluster.md.
 """
 
 from __future__ import annotations
 
-from pipeclock.plan.cluster_config import Config
+from pipeclock.plan.cluster_config import Config, Software
 from pipeclock.plan.gpus import GpuKind
 
 
@@ -33,12 +38,19 @@ def group_in_one_node(config: Config, gpu: GpuKind) -> bool:
     return config.gpus <= gpu.gpus_per_node or (span <= gpu.gpus_per_node and gpu.gpus_per_node % span == 0)
 
 
-def bandwidth(config: Config, gpu: GpuKind) -> float:
+def one_nic_a_rank(config: Config, software: Software | None) -> bool:
+    """Whether the run's data-parallel collectives get one NIC a rank whatever the layout: DeepSpeed's
+    ZeRO-3, as its published rows read (the module's rules)."""
+    return software is not None and software.deepspeed and config.zero == 3
+
+
+def bandwidth(config: Config, gpu: GpuKind, software: Software | None = None) -> float:
     """Bytes/s per rank, one direction, of a data-parallel collective (the line rate: the caller applies
     the links' efficiency)."""
     if group_in_one_node(config, gpu):
         return gpu.intra_node_bandwidth
-    return min(ranks_per_node(config, gpu) * gpu.inter_node_bandwidth, gpu.intra_node_bandwidth)
+    nics = 1 if one_nic_a_rank(config, software) else ranks_per_node(config, gpu)
+    return min(nics * gpu.inter_node_bandwidth, gpu.intra_node_bandwidth)
 
 
 def message_crosses_nodes(config: Config, gpu: GpuKind) -> bool:
