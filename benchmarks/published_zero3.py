@@ -41,7 +41,8 @@ def gpt3_175b():
 
 
 def rows(row_type) -> list:
-    """The table's rows as ``row_type`` (cluster_check's Row): checked, never fitted."""
+    """The table's rows as ``row_type`` (cluster_check's Row), marked fit: they are what holds DeepSpeed's
+    ZeRO-3 at one NIC a rank (`pipeclock.plan.group_link`)."""
     from pipeclock.cli.plan_cluster import parse_fix
 
     model = gpt3_175b()
@@ -53,5 +54,5 @@ def rows(row_type) -> list:
         cluster = Cluster(gpus, KINDS["A100-80GB"])
         software = Software("bf16", fused=True, attention="materialized", deepspeed=True)  # DeepSpeed, 2021
         result.append(row_type(SOURCE, name, model, cluster, Job(BATCH, SEQ), software, fixed, tokens, None,
-                               None, "check"))  # fmt: skip
+                               None, "fit"))  # fmt: skip
     return result

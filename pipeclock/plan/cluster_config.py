@@ -1,10 +1,10 @@
 """What a cluster plan chooses (`Config`) and what it takes as given (`Software`, `Job`).
 
-Ranks are laid out dp x pp x cp x tp with tp innermost, as ``train --tp`` lays them out: the tp ranks of a
-stage are consecutive (one node), its context-parallel ranks (`pipeclock.plan.context_parallel`) tp apart,
-the stages of one pipeline tp x cp ranks apart, the replicas tp x cp x pp apart. torchtitan's device mesh
-(``pp, dp_replicate, dp_shard, cp, tp``) and Meta's Llama 3 order (``[TP, CP, PP, DP]``) also put cp next
-to tp.
+A cluster run's ranks are laid out pp x dp x cp x tp, pp outermost and tp innermost, as Megatron-LM
+(order tp-cp-ep-dp-pp) and torchtitan (mesh pp, dp_replicate, dp_shard, cp, tp) lay them out: the tp
+ranks of a stage are consecutive (one node), its context-parallel ranks (`pipeclock.plan.context_parallel`)
+tp apart, the replicas of a stage tp x cp apart, the stages of one pipeline dp x cp x tp apart (sources:
+docs/cluster.md). Meta's Llama 3 order (``[TP, CP, PP, DP]``) also puts cp next to tp.
 """
 
 from __future__ import annotations

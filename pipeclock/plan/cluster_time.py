@@ -32,6 +32,7 @@ from pipeclock.plan import (
     context_parallel,
     experts,
     gemm_efficiency,
+    group_link,
     zero3_time,
 )
 from pipeclock.plan.cluster_config import Config, Job, Software
@@ -256,7 +257,7 @@ def message_seconds(model, config, job, rates) -> float:
     own tokens to the next stage's same cp rank, tp x cp ranks away."""
     tokens = context_parallel.local_tokens(config, job)
     whole = tokens * model.hidden * rates.a
-    crosses_nodes = config.tp * config.cp * config.pp > rates.gpu.gpus_per_node
+    crosses_nodes = group_link.message_crosses_nodes(config, rates.gpu)  # stages dp x tp ranks apart
     link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
     seconds = calibration.COLLECTIVE_LATENCY + whole / config.tp / (link * calibration.LINK_EFFICIENCY)
     if config.tp > 1 and not config.sequence_parallel:
@@ -326,10 +327,7 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     per_microbatch = (config.zero == 3 and config.pp == 1) or (config.zero == 2 and config.microbatches > 1)
     if config.replicas == 1 or (run is None and not per_microbatch):
         return 0.0
-    link = rates.gpu.intra_node_bandwidth if config.gpus <= rates.gpu.gpus_per_node else (
-        rates.gpu.inter_node_bandwidth
-    )  # fmt: skip
-    link *= calibration.LINK_EFFICIENCY
+    link = group_link.bandwidth(config, rates.gpu, software) * calibration.LINK_EFFICIENCY  # k NICs a node
     share = (config.replicas - 1) / config.replicas  # dp x cp ranks hold the same weights
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4
