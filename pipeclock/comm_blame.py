@@ -161,7 +161,7 @@ def _connect() -> dist.Store | None:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
         def dial() -> dist.Store:
-            # a plain socket first: a store that is gone is then no C++ error printed at the user
+            # a plain socket first: a store that is gone fails it at once, not after the client's retries
             socket.create_connection((host, port), timeout=_STORE_TIMEOUT.total_seconds()).close()
             return dist.TCPStore(host, port, is_master=False, timeout=_STORE_TIMEOUT, wait_for_workers=False)
 
@@ -195,8 +195,13 @@ def _standard_error_discarded() -> Iterator[None]:
     retries and timeouts, each with its stack frames) are written there, past anything ``sys.stderr`` holds.
     There is no public switch for that log but ``TORCH_CPP_LOG_LEVEL``, read once as torch loads, and
     for the whole process."""
-    sys.stderr.flush()
-    kept = os.dup(2)
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        kept = os.dup(2)
+    except OSError:  # no standard error to begin with: nothing to keep from it
+        yield
+        return
     nowhere = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(nowhere, 2)
