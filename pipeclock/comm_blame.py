@@ -16,7 +16,7 @@ whose connection another rank lost is the rank that most likely died first. An e
 living rank is never named as dead. A process keeps its first note only.
 
 The notes are best effort, and asking for them must not cost the user the one line the rank prints:
-a store that lived in a rank whose connection closed is not asked at all; any other is asked with
+a store that lived in the rank whose connection closed is not asked at all; any other is asked with
 torch's C++ log lines (a client's retries, with stack frames) sent nowhere, each call waited for a few
 seconds at most; and a call still waiting then is left behind, for the process to end without it
 (``end_at_once``: ``python -m pipeclock`` then ends with ``os._exit``).
@@ -101,17 +101,18 @@ def end_at_once() -> bool:
     interpreter's exit: it stopped on an error among peers (torchrun then SIGTERMs the ranks still
     running, and one still in the interpreter's exit, a second with torch loaded, dies of it: exit code
     -15, not its own), or a call to the store is still waiting in C++ in a thread (the interpreter's exit
-    then aborts: "terminate called without an active exception", exit code 134)."""
+    can abort under it: "terminate called without an active exception", exit code 134)."""
     return _left_note or _left_behind
 
 
 def _forget_a_store_gone_with(ranks: list[int], closed: bool) -> None:
     """Without an agent to hold it (torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, or no torchrun)
-    the store lives in rank 0: when rank 0's connection closed, its process ended and the store with it.
-    Not asked then: a client that finds it gone (or still closing) retries for its whole timeout."""
+    the store lives in rank 0: when the connection to rank 0 closed, its process ended and the store with
+    it. Not asked then: a client that finds it gone (or still closing) retries for its whole timeout. A
+    collective that lost one of several ranks, rank 0 among them, does not say which: the store is asked."""
     global _store, _unreachable
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if closed and 0 in ranks and not agent_store:
+    if closed and ranks == [0] and not agent_store:
         _store, _unreachable = None, True
 
 
