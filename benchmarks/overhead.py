@@ -147,7 +147,7 @@ PARTS = (  # (what the time is, a marker in the function's name), first match wi
     ("pipeclock: activation meter", "pipeclock/engine/memory.py"),
     ("pipeclock: split backward (hooks, W)", "pipeclock/engine/backward.py"),
     ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/engine/messenger.py"),
-    ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/comms.py"),
+    ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/comm"),  # comms.py and its comm_*.py
     ("pipeclock: messages (messenger, comms, pytree)", "pipeclock/engine/pytree.py"),
     ("pipeclock: step loop (step_run, orchestrator, spans ...)", "pipeclock/"),
     ("engine Python (torch pipelining)", "torch/distributed/pipelining/"),

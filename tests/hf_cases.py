@@ -8,6 +8,7 @@ import re
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipeclock.engine import rng
@@ -137,3 +138,13 @@ def model_with_tokenizer(directory: Path, text: str, vocab_size: int = 320) -> N
         warnings.simplefilter("ignore")
         LlamaForCausalLM(config).save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
+
+
+def one_line_error(call) -> str:
+    """The message of the ``ValueError`` or ``OSError`` that ``call()`` raises, asserted to be one line."""
+    with pytest.raises((ValueError, OSError)) as caught, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call()
+    message = str(caught.value)
+    assert "\n" not in message
+    return message

@@ -14,6 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import socket
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -141,6 +143,60 @@ def test_where_the_store_died_too_a_survivor_names_no_rank_as_dead_and_says_it_c
             assert _blamed(line) <= {0}, line
 
 
+def test_a_survivor_that_lost_rank_0_where_the_store_lived_asks_no_store_and_says_it_cannot_know(monkeypatch):
+    """Without torchrun's agent to hold it (a store per attempt, or no torchrun), the store lives in rank 0
+    and ends with it. A client that finds it gone, or still closing, retries for its whole timeout and
+    prints C++ warnings and stack frames meanwhile: the survivor does not dial it at all."""
+    from pipeclock import comm_blame
+
+    with socket.socket() as listener:  # where rank 0's store was: a connection to it would show here
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(listener.getsockname()[1]))
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        comm_blame.start_group()
+        comm_blame.leave_lost([0], closed=True)
+        assert comm_blame.first_failure([0], closed=True) is None
+        assert comm_blame.store_lost()
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody called
+        comm_blame.start_group()
+
+
+def test_a_store_that_refuses_the_client_after_the_first_knock_prints_no_cpp_lines(monkeypatch, capfd):
+    """A store whose rank is dying may still take a plain connection, then refuse the store's client,
+    which retries and logs each try in C++ (``[W ... TCPStore.cpp]``, ``Exception raised from``, frames):
+    none of that reaches the user, whose one line comes after."""
+    import datetime
+
+    from pipeclock import comm_blame
+
+    monkeypatch.setattr(comm_blame, "_STORE_TIMEOUT", datetime.timedelta(seconds=1))
+    monkeypatch.setattr(comm_blame, "_MARGIN", 60.0)  # the client's retries all end within the wait
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def take_one_then_close() -> None:
+        listener.accept()[0].close()
+        listener.close()
+
+    closing = threading.Thread(target=take_one_then_close)
+    closing.start()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(listener.getsockname()[1]))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # an agent's store: asked, rank 0 or not
+    capfd.readouterr()
+    comm_blame.start_group()
+    assert comm_blame.first_failure([0], closed=True) is None
+    assert comm_blame.store_lost()
+    closing.join()
+    assert capfd.readouterr().err == ""
+    comm_blame.start_group()
+
+
 def test_a_store_that_takes_the_connection_and_never_answers_holds_a_survivor_a_few_seconds_at_most(
     monkeypatch,
 ):
@@ -148,7 +204,6 @@ def test_a_store_that_takes_the_connection_and_never_answers_holds_a_survivor_a_
     client then waits past its timeout, and torchrun, which stopped the survivor with SIGTERM, kills it
     30 s later, its one line unsaid. The notes are best effort: the survivor gives them up in time."""
     import datetime
-    import socket
     import time
 
     from pipeclock import comm_blame
@@ -165,3 +220,6 @@ def test_a_store_that_takes_the_connection_and_never_answers_holds_a_survivor_a_
         assert comm_blame.store_lost()
         assert time.monotonic() - began < 20, "well within the 30 s torchrun gives a rank it stopped"
         comm_blame.start_group()
+    for thread in threading.enumerate():  # its client fails now the listener closed: here, not after the test
+        if thread.name == "pipeclock-blame-store":
+            thread.join(30)

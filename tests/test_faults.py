@@ -94,6 +94,8 @@ FAULT_LINE = re.compile(
     r"^pipeclock fault: rank (\d+) SIGKILLs itself at (\S+) of step (\d+) \(attempt (\d+)\)$"
 )
 ERROR_LINE = re.compile(r"^pipeclock train: error: (.*)$")
+# torch's C++ log (a store client's retries, each with its stack frames) and its abort: not for a user
+CPP_LOG = re.compile(r"terminate called|Exception raised from|^frame #|\[c10d\]")
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Death:
     fault: faults.Fault
     attempt: int
     errors: list[str]  # the survivors' error lines, in the order printed
-    others: list[str]  # any other pipeclock line printed meanwhile (a "stopped" line, a traceback)
+    others: list[str]  # any other pipeclock line printed meanwhile (a "stopped" line), a traceback, C++ logs
 
 
 def deaths(rank_logs: Path) -> list[Death]:
@@ -124,7 +126,7 @@ def deaths(rank_logs: Path) -> list[Death]:
                 continue
             if match := ERROR_LINE.match(line):
                 death.errors.append(match.group(1))
-            elif line.startswith("pipeclock") or "Traceback" in line:
+            elif line.startswith("pipeclock") or "Traceback" in line or CPP_LOG.search(line):
                 death.others.append(line)
         found.append(death)
     return found
@@ -228,7 +230,7 @@ def test_every_survivor_says_once_which_peer_it_lost_and_nothing_else_is_printed
         survivors = sorted(survivor_rank(error) for error in death.errors)
         assert survivors == [r for r in range(world) if r != death.fault.rank], (death.fault, death.errors)
         assert all("lost the connection to" in error for error in death.errors), death.errors
-        assert death.others == [], (death.fault, death.others)  # no traceback, no "stopped" for want of one
+        assert death.others == [], (death.fault, death.others)  # no traceback, no C++ log, no "stopped"
     assert "Traceback" not in matrix.stderr  # nor in torchrun's own output
 
 
@@ -291,6 +293,31 @@ def fault_table(matrix: Matrix) -> list[str]:
         f"ran (from step {first}) have losses {equal}, bit for bit, to the run left alone.",
     ]
     return lines
+
+
+@pytest.mark.long
+def test_when_rank_0_dies_with_the_store_the_survivor_says_one_line_and_exits_1(tmp_path, monkeypatch):
+    """With a store per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/faults.md launches a job
+    that restarts) the store lives in rank 0 and dies with it. Rank 1 then prints its one line, without
+    torch's C++ log of a client retrying the dead store, and ends with the exit code docs/errors.md gives
+    a peer's failure, 1, as torchrun reports it (not killed by torchrun's SIGTERM, not aborted)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setenv(faults.VARIABLE, "gather:0:1")  # as step 1 opens: rank 1 waits on rank 0 then
+    job = Launch(tmp_path / "job", 2, _flags(QUICK, tmp_path, 3, 0), rank_logs=tmp_path / "ranks")
+    try:
+        job.proc.wait(timeout=JOB_TIMEOUT)
+    finally:
+        job.stop()
+    [survivor] = tmp_path.glob("ranks/*/attempt_0/1/stderr.log")
+    assert re.fullmatch(
+        r"pipeclock train: error: rank 1: lost the connection to rank 0 while [^\n]+; rank 0 stopped or died "
+        r"\(see its log; which rank failed first is not known here\)\n",
+        survivor.read_text(),
+    ), survivor.read_text()
+    torchrun = job.err.read_text()
+    assert re.search(r"rank +: 1 \(local_rank: 1\)\n +exitcode +: 1 ", torchrun), torchrun
+    assert job.proc.returncode == 1
+    assert not CPP_LOG.search(torchrun), torchrun
 
 
 # --- the fault points themselves (no processes) -----------------------------------------------------------

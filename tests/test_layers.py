@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeclock"
-BASE = {"comms": ("comms", "comm_blame", "comm_channels", "comm_errors"), "faces": ("model", "schedule")}
+BASE = {
+    "comms": ("comms", "comm_blame", "comm_channels", "comm_errors", "comm_messages", "comm_tensors"),
+    "faces": ("model", "schedule"),
+}
 ROOMS = sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
 
 

@@ -5,193 +5,41 @@ token targets, dropout) and a Hugging Face Llama (grouped-query attention; untie
 their own plans leaves the loss, every gradient (each split gradient gathered whole) and the gradient
 norm within 1e-5 relative of the whole model's on one process for the whole batch. Every schedule runs
 at tp 2 x pp 2. A bad plan is one line on every rank, before anything is split; so are tp ranks given
-different batches, before the step.
+different batches, before the step. The time inside tp's collectives is theirs alone. The cases are
+``tests/tp_cases.py``; the main job at tp 2 is ``tests/test_tp_training.py``.
 """
 
 from __future__ import annotations
 
-import re
 import time
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pipeclock import comms, parallel, schedule
-from pipeclock.engine import program, rng
+from pipeclock.engine import program
 from pipeclock.engine.generators import generate
 from pipeclock.engine.losses import TokenCrossEntropy
 from pipeclock.engine.orchestrator import BatchRefused
-from pipeclock.engine.ties import tie_key
 from pipeclock.models import gpt, mlp
 from pipeclock.observe.collectives import timing_collectives
 from pipeclock.parallel.mesh import mesh_layout, pipelines
-from tests.cases import PLACEMENT, SCHEDULE_CHUNKS
-from tests.distributed import Started, command, printed, run_ok, start_ranks
-from tests.hf_cases import llama_config, padded_batch, reference
-from tests.jobs import LAUNCH_TIMEOUT, losses_of
-
-TOLERANCE = 1e-5
-GPT_CONFIG = dict(dim=16, layers=2, heads=2, seq_len=8, seed=11)
-MLP_WIDTH, MLP_LAYERS = 16, 8  # two layers per virtual stage even on 2 ranks x 2 chunks: a pair each
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor gathered whole: a DTensor (split by tp, sharded by FSDP2) is a collective of its mesh."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
-
-
-def gaps(loss: float, want_loss: float, chunks, want: dict, pipe, mesh) -> dict[str, float]:
-    """How far the pipelined step is from one process: its loss, its worst gradient, its gradient norm."""
-    grads = [
-        relative_gap(whole(p.grad), want[tie_key(p) or name])
-        for chunk in chunks
-        for name, p in chunk.named_parameters()
-    ]
-    want_norm = torch.stack([g.norm() for g in want.values()]).norm().item()
-    norm = parallel.grad_norm(pipe, mesh)
-    return {
-        "loss": abs(loss - want_loss) / abs(want_loss),
-        "grad": max(grads),
-        "norm": abs(norm - want_norm) / want_norm,
-        "stages on another replica or tp rank": float(len(strangers(pipe.peers, mesh))),
-    }
-
-
-def strangers(peers: list[int], mesh) -> list[int]:
-    """The ranks of this rank's pipeline that are not its replica's ranks of its own tp index."""
-    tp, per_replica = mesh["tp"].size(), mesh["pp"].size() * mesh["tp"].size()
-    me = torch.distributed.get_rank()
-    return [p for p in peers if p % tp != me % tp or p // per_replica != me // per_replica]
-
-
-def token_batch(batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and targets where sample i ends in ``i % 5`` padding positions (ignored by the loss)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, 8), generator=generator)
-    targets = torch.randint(0, vocab, (batch, 8), generator=generator)
-    for sample in range(batch):
-        if sample % 5:
-            targets[sample, -(sample % 5) :] = -100
-    return ids, targets
-
-
-def pipeline(mesh, name: str, chunks, m: int, loss_fn, replicas=None):
-    if replicas is not None:
-        chunks = replicas.chunks
-    return schedule.Pipeline(chunks, name, m, loss_fn, group=mesh.get_group("pp"), replicas=replicas)
-
-
-def built(mesh, chunks, plan):
-    """The chunks split by tp, then replicas over dp (FSDP2) when the mesh has several."""
-    parallel.tensor_parallel(chunks, mesh, plan)
-    if mesh["dp"].size() == 1:
-        return chunks, None
-    replicas = parallel.data_parallel(chunks, mesh, "fsdp")
-    return replicas.modules, replicas
-
-
-def my_shard(mesh, *batch):
-    mine = parallel.shard_of(len(batch[0]), mesh["dp"].size(), parallel.dp_rank(mesh))
-    return [tensor[mine.start : mine.stop] for tensor in batch]
-
-
-def mlp_case(mesh, name: str, m: int) -> dict[str, float]:
-    pp, tp, chunks_per_rank = mesh["pp"].size(), mesh["tp"].size(), SCHEDULE_CHUNKS[name]
-    placement = PLACEMENT.get(name)
-    chunks = mlp.ShardedMLP.for_rank(
-        MLP_WIDTH, MLP_LAYERS, parallel.pp_rank(mesh), pp, chunks_per_rank, seed=3, placement=placement
-    )
-    stages = mlp.partition(MLP_LAYERS, pp * chunks_per_rank)
-    chunks, replicas = built(mesh, chunks, mlp.tp_plan(MLP_WIDTH, stages, tp))
-    generator = torch.Generator().manual_seed(m)
-    inputs, targets = (
-        torch.randn(2 * m + 1, MLP_WIDTH, generator=generator),
-        torch.randn(2 * m + 1, MLP_WIDTH, generator=generator),
-    )
-    pipe = pipeline(mesh, name, chunks, m, F.mse_loss, replicas)
-    loss = pipe.step(*my_shard(mesh, inputs, targets))
-    reference = mlp.full_mlp(MLP_WIDTH, MLP_LAYERS, seed=3)
-    want_loss = F.mse_loss(reference(inputs), targets)
-    want_loss.backward()
-    want = {
-        f"layers.{i // 2}.{n}": p.grad
-        for i, layer in enumerate(reference)
-        for n, p in layer.named_parameters()
-    }
-    return gaps(loss, want_loss.item(), chunks, want, pipe, mesh)
-
-
-def gpt_case(mesh, name: str, m: int, dropout: float = 0.2) -> dict[str, float]:
-    pp, tp = mesh["pp"].size(), mesh["tp"].size()
-    config = gpt.GPTConfig(**GPT_CONFIG, dropout=dropout)
-    chunks = gpt.GPT.for_rank(config, parallel.pp_rank(mesh), pp, SCHEDULE_CHUNKS[name], PLACEMENT.get(name))
-    chunks, replicas = built(mesh, chunks, gpt.tp_plan(config, tp))
-    ids, targets = token_batch(2 * m + 1, config.vocab_size, seed=m)
-    pipe = pipeline(mesh, name, chunks, m, TokenCrossEntropy(), replicas)
-    loss = pipe.step(*my_shard(mesh, ids, targets))
-    reference = gpt.gpt_sequential(config)
-    with rng.keyed(step=0, first_sample=0):
-        want_loss = TokenCrossEntropy().mean(reference(ids), targets)
-    want_loss.backward()
-    found = gaps(
-        loss, want_loss.item(), chunks, {n: p.grad for n, p in reference.named_parameters()}, pipe, mesh
-    )
-    if dropout:  # the masks matter: without them the loss is another
-        with rng.keyed(step=0, first_sample=0):
-            undropped = TokenCrossEntropy().mean(
-                gpt.gpt_sequential(gpt.GPTConfig(**GPT_CONFIG))(ids), targets
-            )
-        found["dropout changed the loss"] = float(abs(undropped.item() - loss) > 1e-3)
-    return found
-
-
-def llama_case(mesh, name: str, m: int, tied: bool = False) -> dict[str, float]:
-    from pipeclock.models import hf
-
-    pp, tp = mesh["pp"].size(), mesh["tp"].size()
-    config = llama_config(layers=2)
-    config.tie_word_embeddings = tied
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        split = hf.split(
-            config,
-            parallel.pp_rank(mesh),
-            pp,
-            chunks=SCHEDULE_CHUNKS[name],
-            placement=PLACEMENT.get(name),
-            seed=5,
-        )
-    chunks, replicas = built(mesh, split if isinstance(split, list) else [split], hf.tp_plan(config, tp))
-    (ids, mask), labels = padded_batch(2 * m + 1, 8, seed=m)
-    pipe = pipeline(mesh, name, chunks, m, hf.loss(), replicas)
-    shard_ids, shard_mask, shard_labels = my_shard(mesh, ids, mask, labels)
-    loss = pipe.step((shard_ids, shard_mask), shard_labels)
-    want_loss, want = reference(config, 5, (ids, mask), labels)
-    return gaps(loss, want_loss, chunks, want, pipe, mesh)
-
-
-CASES = {
-    "mlp": mlp_case,
-    "gpt": gpt_case,
-    "llama": llama_case,
-    "llama-tied": lambda mesh, name, m: llama_case(mesh, name, m, tied=True),
-}
-
-
-def layouts(rank: int, world: int, runs: list[tuple[int, int, list[tuple[str, str, int]]]]) -> dict:
-    """Each (dp, tp, cases) of ``runs`` on a mesh of its own: (model, schedule, m) -> its gaps."""
-    found = {}
-    for dp, tp, cases in runs:
-        mesh = parallel.init_mesh(dp, tp)
-        for model, name, m in cases:
-            found[(dp, mesh["pp"].size(), tp, model, name, m)] = CASES[model](mesh, name, m)
-    return found
+from tests.cases import SCHEDULE_CHUNKS
+from tests.distributed import run_ok
+from tests.hf_cases import llama_config
+from tests.tp_cases import (
+    CALLS_PER_MICROBATCH,
+    GPT_CONFIG,
+    MLP_LAYERS,
+    MLP_WIDTH,
+    TOLERANCE,
+    built,
+    layouts,
+    my_shard,
+    pipeline,
+    token_batch,
+)
 
 
 def refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
@@ -328,10 +176,6 @@ def different_batches(rank: int, world: int) -> dict[str, str | float]:
     return found
 
 
-# tp's collectives per micro-batch on each stage of the GPT at pp 2 (docs/three-axes.md): stage 0 the
-# embedding's all-reduce and h0's 2 forward and 4 backward ones; stage 1 h1's 6, the head's all-gather
-# forward and all-reduce backward
-CALLS_PER_MICROBATCH = {0: 1 + 6, 1: 6 + 2}
 DELAY = 0.3  # seconds rank 1 sleeps before h0's last all-reduce, in each micro-batch of the delayed step
 
 
@@ -467,67 +311,3 @@ def test_tp_rank_t_of_stage_s_exchanges_with_tp_rank_t_of_the_stages_beside_it_a
     assert text[6] == (
         "rank 6: SIZES AGREE 1RECV_F0<-4 1F0 1B0 1SEND_B0->4 1RECV_F1<-4 1F1 1B1 1SEND_B1->4 LOSS"
     )
-
-
-GPT_RUN = "--model gpt --dim 32 --layers 2 --heads 2 --seq-len 32 --batch-size 6 --microbatches 2"
-GPT_RUN += " --dropout 0.1 --steps 5 --eval-batches 1 --eval-every 0 --clip-grad-norm 0.5"
-
-
-def train(world: int, flags: list[str]) -> Started:
-    """``python -m pipeclock ...`` on ``world`` ranks forked from the rank server, as torchrun starts it
-    (the tests of torchrun itself are in tests/test_faults.py and tests/test_data_parallel_runs.py)."""
-    return start_ranks(command, world, flags, deadline=LAUNCH_TIMEOUT)
-
-
-def test_train_tp2_follows_the_one_process_run_step_by_step_and_says_what_tp_cost(tmp_path):
-    """The main job at tp 2, Adam and clipping on split parameters, the tie and dropout: every step's
-    loss is the one-process run's. Its summary gives the time inside tp's collectives beside the step;
-    the one-process run's says nothing of tp."""
-    flags = ["train", *GPT_RUN.split()]
-    split = train(2, [*flags, "--tp", "2", "--losses", str(tmp_path / "tp2.json")])
-    one = printed(train(1, [*flags, "--losses", str(tmp_path / "one.json")]))
-    said_by_split = printed(split)
-    assert "x tp 2" in said_by_split.splitlines()[0]
-    _, want = losses_of(tmp_path / "one.json")
-    _, got = losses_of(tmp_path / "tp2.json")
-    assert len(got) == len(want) == 5
-    # profiled: steps 2 and 4; at pp 1 each rank runs both stages' layers, so both stages' collectives
-    said = re.search(
-        r"^tensor parallel  inside its collectives ([\d.]+) ms of each rank's ([\d.]+) ms step call "
-        r"\(([\d.]+)%; (\d+) calls a rank\), means over 2 step\(s\) profiled for it", said_by_split, re.M
-    )  # fmt: skip
-    assert said, said_by_split
-    inside, call, share, calls = (float(x) for x in said.groups())
-    assert 0 < inside < call and 0 < share < 100, said.group(0)
-    assert calls == sum(CALLS_PER_MICROBATCH.values()) * 2, said.group(0)  # 2 micro-batches a step
-    assert "tensor parallel" not in one and "tp coll" not in one, one
-    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) < TOLERANCE, (got, want)
-
-
-@pytest.mark.slow
-def test_a_checkpoint_saved_at_pp2_x_tp2_resumes_at_pp4_and_at_tp2_x_pp1_and_exports_whole(tmp_path):
-    """DCP saves each rank's shards of the split parameters with their place in the whole; any layout
-    whose tp splits the model reads its own shards back: the next losses are the uninterrupted run's."""
-    flags = ["train", *GPT_RUN.replace("--steps 5", "").split()]
-    saved, more = [*flags, "--steps", "3"], [*flags, "--steps", "5", "--resume", str(tmp_path / "ck")]
-
-    def losses(name: str) -> list[str]:
-        return ["--checkpoint-dir", str(tmp_path / name), "--losses", str(tmp_path / f"{name}.json")]
-
-    first = train(4, [*saved, "--tp", "2", "--checkpoint-dir", str(tmp_path / "ck")])
-    printed(train(1, [*flags, "--steps", "5", *losses("one")]))
-    printed(first)
-    runs = {
-        "pp4": train(4, [*more, *losses("pp4")]),
-        "tp2": train(2, [*more, "--tp", "2", *losses("tp2")]),
-    }
-    _, want = losses_of(tmp_path / "one.json")
-    for name, run in runs.items():
-        assert "saved by 2 stage(s) x tp 2" in printed(run), name
-        first_step, got = losses_of(tmp_path / f"{name}.json")
-        assert first_step == 3 and len(got) == 2, (name, first_step, got)
-        assert max(abs(g - w) / abs(w) for g, w in zip(got, want[3:], strict=True)) < TOLERANCE, (name, got)
-    printed(train(1, ["export", str(tmp_path / "ck"), str(tmp_path / "whole.pt")]))
-    config = gpt.GPTConfig(dim=32, layers=2, heads=2, seq_len=32, dropout=0.1, seed=0)
-    whole = gpt.gpt_sequential(config)
-    whole.load_state_dict(torch.load(tmp_path / "whole.pt"), strict=True)  # every tensor, whole-sized

@@ -105,7 +105,8 @@ def run_as_script(main: Callable[[], object]) -> None:
 
 def end_now(code: int) -> NoReturn:
     """End an interrupted process at once, its output flushed (``run_as_script``, ``python -m pipeclock``):
-    not in the teardown of communicators that still hold an interrupted step's messages."""
+    not in the teardown of communicators that still hold an interrupted step's messages, nor in the
+    interpreter's exit, which a rank stopped among peers should not wait for (``comm_blame.end_at_once``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
