@@ -37,7 +37,8 @@ SLOWEST_FIRST = (
     "test_pipeline_matrix",  # 85-100 s before each model and reference was built once per launch
     "test_faults",  # 55-77 s with nine deaths; four now (the nine are `long`)
     "test_data_parallel_runs",  # 44-55 s
-    "test_tensor_parallel",  # 48-52 s
+    "test_tensor_parallel",  # 48-52 s with the train command's tp runs, now in test_tp_training
+    "test_tp_training",
     "test_data_parallel",  # 37 s
     "test_gpt_pipeline",  # 33-38 s
     "test_hf_pipeline",  # 25-39 s
