@@ -71,7 +71,8 @@ def described(
         if first is not None:
             blamed = _first_failure(first)
         elif not store_known:
-            blamed = f"{other} stopped or died (see its log; which rank failed first is not known here)"
+            logs = "its log" if len(others) <= 1 else "their logs"
+            blamed = f"{other} stopped or died (see {logs}; which rank failed first is not known here)"
         elif len(others) <= 1:
             blamed = f"{other} most likely died (see its log)"
         else:
