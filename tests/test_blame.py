@@ -223,3 +223,14 @@ def test_a_store_that_takes_the_connection_and_never_answers_holds_a_survivor_a_
     for thread in threading.enumerate():  # its client fails now the listener closed: here, not after the test
         if thread.name == "pipeclock-blame-store":
             thread.join(30)
+
+
+def test_a_survivor_that_cannot_know_who_failed_first_points_to_each_lost_peers_log():
+    from pipeclock.comm_errors import described
+
+    gone = RuntimeError("Connection closed by peer")
+    one = described(gone, "saving", 1, [0], 30.0, store_known=False)
+    several = described(gone, "saving", 1, [0, 2, 3], 30.0, store_known=False)
+    unknown = "which rank failed first is not known here"
+    assert str(one).endswith(f"rank 0 stopped or died (see its log; {unknown})")
+    assert "ranks 0, 2 and 3 stopped or died (see their logs;" in str(several)
