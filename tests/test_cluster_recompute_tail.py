@@ -32,15 +32,18 @@ class _Products(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_products(checkpointed: bool) -> int:
+def _backward_products(checkpointed: bool, compiled: bool = False) -> int:
     torch.manual_seed(0)
     up, down = torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         return x + torch.nn.functional.silu(x @ up) @ down
 
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+
     x = torch.randn(4, 8, requires_grad=True)
-    out = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+    out = (torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run)(x)
     with _Products() as products:
         out.sum().backward()
     return products.count
@@ -51,6 +54,7 @@ def test_non_reentrant_checkpoint_reruns_every_product_but_the_last():
     # run again: the last one's output feeds only the block's output, which the backward never reads
     assert _backward_products(checkpointed=False) == 4
     assert _backward_products(checkpointed=True) == 4 + 1
+    assert _backward_products(checkpointed=True, compiled=True) == 4 + 1  # torch.compile's, as torchtitan's
 
 
 def _layer(software: Software, sequence_parallel: bool):
