@@ -285,10 +285,11 @@ def titan_rows() -> list[Row]:
 
 
 def titan_software(soft: Software | tuple) -> Software:
-    """A torchtitan row's software: its tensor parallel keeps the gathered inputs."""
+    """A torchtitan row's software: its tensor parallel keeps the gathered inputs, and its full recompute
+    (torch's non-reentrant checkpoint, compiled) stops at the last tensor the backward reads."""
     if isinstance(soft, Software):
-        return dataclasses.replace(soft, tp_gathered_inputs=True)
-    return Software(*soft, tp_gathered_inputs=True)
+        return dataclasses.replace(soft, tp_gathered_inputs=True, recompute_stops_early=True)
+    return Software(*soft, tp_gathered_inputs=True, recompute_stops_early=True)
 
 
 def a100_rows() -> list[Row]:

@@ -64,7 +64,10 @@ class Software:
     their inputs gathered over the sequence for the backward, as torch's ``ColwiseParallel`` (torchtitan)
     does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`); under
     fp8 the blocks' in float8 (torchao's ``Float8ColwiseParallel`` gathers them cast), the head's in bf16
-    (torchtitan leaves its output layer out of float8)."""
+    (torchtitan leaves its output layer out of float8). ``recompute_stops_early``: a full recompute
+    stops at the last tensor the backward reads, as torch's non-reentrant checkpoint and torch.compile
+    do (torchtitan), so the block's last product and its collective do not run again
+    (`pipeclock.plan.recompute_tail`)."""
 
     dtype: str = "bf16"
     fused: bool = False
@@ -77,6 +80,7 @@ class Software:
     cp_exchange: str = "all-gather"
     repeat_kv: bool = False
     tp_gathered_inputs: bool = False
+    recompute_stops_early: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_exchange not in CP_EXCHANGES:

@@ -33,6 +33,7 @@ from pipeclock.plan import (
     experts,
     gemm_efficiency,
     group_link,
+    recompute_tail,
     zero3_time,
 )
 from pipeclock.plan.cluster_config import Config, Job, Software
@@ -105,8 +106,8 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
     kept = activations.layer_bytes(model, "none", a, software.fused, tp, config.sequence_parallel)
     passes = calibration.ELEMENTWISE_PASSES["fused" if software.fused else "eager"]
     elementwise = passes * kept * tokens / rates.memory
-    collectives = _tp_collective(model, config, tokens, software, rates)
-    collectives *= 0.5 if model.kind == "mlp" else 2.0
+    half = _tp_collective(model, config, tokens, software, rates)
+    collectives = half * (0.5 if model.kind == "mlp" else 2.0)
     exchange = experts.exchange(model, config, job, software, rates.gpu)
     scores = attention_core.score_seconds(model, config, job, software, rates)
     kv = context_parallel.exchange(model, config, job, software, rates.gpu, attention)
@@ -115,7 +116,7 @@ def layer_time(model: PaperModel, config: Config, job: Job, software: Software, 
         "none": 0.0,
         "selective-attention": attention + scores,
         "selective-op": elementwise + sum(seconds for g, seconds in each if not g.kept),
-        "full": forward,
+        "full": forward - recompute_tail.skipped_seconds(model, each, half, config, software),
     }[config.recompute]
     exposed = collectives - _backward_hidden(collectives, each, software)
     backward = products + 2.5 * attention + 2 * (elementwise + scores) + exposed + again + kv.backward
