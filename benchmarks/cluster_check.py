@@ -459,20 +459,25 @@ def _or_dash(value) -> str:
 
 
 def summary(table: list[Row]) -> str:
-    """Within the targets on how many rows, and the worst, for the checked rows and the fitted ones."""
+    """Within the targets on how many rows, and the worst, for the checked rows, the fitted ones, and those
+    a rule was read from ("rule": they hold no constant, so a refit does not use them)."""
     lines = []
-    for role in ("check", "fit"):
+    label = {"check": "checked rows", "fit": "fitted rows", "rule": "rows a rule was read from"}
+    for role in ("check", "fit", "rule"):
         chosen = [row for row in table if row.role == role]
         speed = max(chosen, key=lambda row: abs(errors(row)[0]))
-        with_memory = [row for row in chosen if errors(row)[1] is not None]
-        memory = max(with_memory, key=lambda row: abs(errors(row)[1]))
-        lines.append(
-            f"{'checked' if role == 'check' else 'fitted'} rows: speed within 10 % on "
-            f"{sum(abs(errors(r)[0]) <= 0.10 for r in chosen)} of {len(chosen)} "
-            f"(worst {errors(speed)[0]:+.1%}: {speed.source} {speed.name}); memory within 10 % on "
-            f"{sum(abs(errors(r)[1]) <= 0.10 for r in with_memory)} of {len(with_memory)} (worst "
-            f"{errors(memory)[1]:+.1%}: {memory.source} {memory.name})"
+        line = (
+            f"{label[role]}: speed within 10 % on {sum(abs(errors(r)[0]) <= 0.10 for r in chosen)} of "
+            f"{len(chosen)} (worst {errors(speed)[0]:+.1%}: {speed.source} {speed.name})"
         )
+        with_memory = [row for row in chosen if errors(row)[1] is not None]
+        if with_memory:
+            memory = max(with_memory, key=lambda row: abs(errors(row)[1]))
+            line += (
+                f"; memory within 10 % on {sum(abs(errors(r)[1]) <= 0.10 for r in with_memory)} of "
+                f"{len(with_memory)} (worst {errors(memory)[1]:+.1%}: {memory.source} {memory.name})"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

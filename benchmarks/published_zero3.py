@@ -41,8 +41,8 @@ def gpt3_175b():
 
 
 def rows(row_type) -> list:
-    """The table's rows as ``row_type`` (cluster_check's Row), marked fit: they are what holds DeepSpeed's
-    ZeRO-3 at one NIC a rank (`pipeclock.plan.group_link`)."""
+    """The table's rows as ``row_type`` (cluster_check's Row), marked "rule": they are what holds DeepSpeed's
+    ZeRO-3 at one NIC a rank (`pipeclock.plan.group_link`), and no constant is fitted on them."""
     from pipeclock.cli.plan_cluster import parse_fix
 
     model = gpt3_175b()
@@ -54,5 +54,5 @@ def rows(row_type) -> list:
         cluster = Cluster(gpus, KINDS["A100-80GB"])
         software = Software("bf16", fused=True, attention="materialized", deepspeed=True)  # DeepSpeed, 2021
         result.append(row_type(SOURCE, name, model, cluster, Job(BATCH, SEQ), software, fixed, tokens, None,
-                               None, "fit"))  # fmt: skip
+                               None, "rule"))  # fmt: skip
     return result
