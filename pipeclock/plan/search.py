@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
 from pipeclock.plan import experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
-from pipeclock.plan.cluster_memory import gpu_memory, static_floor
+from pipeclock.plan.cluster_memory import GpuMemory, gpu_memory, memory_floor, static_floor
 from pipeclock.plan.cluster_plan import Prediction, rate
 from pipeclock.plan.cluster_time import (
     Rates,
@@ -41,7 +41,7 @@ from pipeclock.plan.cluster_time import (
 )
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
-from pipeclock.plan.pipeline_time import pipeline_floor
+from pipeclock.plan.pipeline_time import pipeline_floor, shape_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
@@ -59,7 +59,7 @@ class SearchResult:
     judged: int = 0  # of them, whose memory was judged (best floor first, until none left could win)
     fitting: int = 0  # of those, that fit
     simulated: int = 0
-    smallest: Prediction | None = None  # when nothing fits: the configuration that comes closest
+    smallest: Prediction | None = None  # only when nothing fits: the configuration that comes closest
     notes: list[str] = field(default_factory=list)
 
 
@@ -113,22 +113,28 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
     fit: set[Config] = set()
+    too_large: list[tuple[Config, GpuMemory | None]] = []  # judged, in order, with their memory if read
     while queue:
         floor, _, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
-            for member, number, tight in group_floors(model, *config, job, software, rates):
-                heapq.heappush(queue, (max(floor, tight), number, True, member))
+            base = config[0]
+            for schedule, chunks, number, tight in group_floors(model, *config, job, software, rates):
+                heapq.heappush(queue, (max(floor, tight), number, True, (base, schedule, chunks)))
             continue
+        base, schedule, chunks = config
+        config = replace(base, schedule=schedule, chunks=chunks)
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
             continue  # the same run keeping the attention core too fits, and skips the core's second run
         progress(result.considered, result.judged, ranked[0][0] if ranked else None)
-        memory = gpu_memory(model, config, job, software)
         result.judged += 1
+        if memory_floor(model, config, job, software) > capacity:
+            too_large.append((config, None))  # over the GPU without reading its schedule
+            continue
+        memory = gpu_memory(model, config, job, software)
         if memory.total > capacity:
-            if result.smallest is None or memory.total < result.smallest.memory.total:
-                result.smallest = _judged(model, config, job, software, cluster, memory)
+            too_large.append((config, memory))
             continue
         result.fitting += 1
         fit.add(config)
@@ -143,6 +149,8 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
         ranked.sort(key=lambda entry: entry[0])
         del ranked[top:]
     result.ranked = [prediction for _, prediction in ranked]
+    if not ranked:
+        result.smallest = _closest(model, too_large, job, software, cluster)
     if not ranked and result.smallest is None and leanest is not None:
         config = leanest[2]
         result.smallest = _judged(
@@ -151,24 +159,37 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     return result
 
 
+def _closest(model, too_large: list, job: Job, software: Software, cluster: Cluster) -> Prediction | None:
+    """Of the judged configurations that do not fit, in the order judged, the first with the least
+    memory, predicted (only a search where nothing fits needs it)."""
+    closest: tuple[Config, GpuMemory] | None = None
+    for config, memory in too_large:
+        memory = memory or gpu_memory(model, config, job, software)
+        if closest is None or memory.total < closest[1].total:
+            closest = (config, memory)
+    return None if closest is None else _judged(model, closest[0], job, software, cluster, closest[1])
+
+
 def group_floors(model, base: Config, members, job: Job, software: Software, rates: Rates) -> list:
-    """For each member of a `config_groups` group, (its configuration, its order number, a step time it
+    """For each member of a `config_groups` group, (its schedule, chunks, order number, a step time it
     cannot beat): its pipeline's floor, plus what data parallel adds for sure and the optimizer. What
     reads no schedule is computed once a group (the message, the optimizer) or once per chunk count (the
     stage costs, data parallel's share); a test holds each floor to `floor_of` the configuration."""
     transfer, optimizer = message_seconds(model, base, job, rates), optimizer_seconds(model, base, rates)
     per_chunks: dict[int, tuple] = {}
     floors = []
+    pp, m = base.pp, base.microbatches
     for schedule, chunks, number in members:
-        config = replace(base, schedule=schedule, chunks=chunks)
         if chunks not in per_chunks:
+            config = replace(base, schedule=schedule, chunks=chunks)
             costs = stage_costs(model, config, job, software, rates)
             per_chunks[chunks] = (
                 costs,
                 data_parallel_seconds(model, config, software, rates, costs, None, 1.0),
             )
         costs, data_parallel = per_chunks[chunks]
-        floors.append((config, number, pipeline_floor(config, costs, transfer) + data_parallel + optimizer))
+        tight = shape_floor(schedule, pp, chunks, m, costs, transfer) + data_parallel + optimizer
+        floors.append((schedule, chunks, number, tight))
     return floors
 
 
