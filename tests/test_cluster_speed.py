@@ -126,3 +126,12 @@ def test_a_search_where_nothing_fits_names_the_closest_it_judged():
         gpu_memory(DENSE, config, job, software).total for config in configurations(DENSE, cluster, job, {})
     ]
     assert found.smallest.memory.total == min(every)
+
+
+def test_a_models_hash_is_its_fields_and_another_process_computes_its_own():
+    import pickle
+
+    twin = replace(DENSE, name=DENSE.name)
+    assert hash(DENSE) == hash(twin) and twin == DENSE and {DENSE: 1}[twin] == 1
+    assert hash(replace(DENSE, layers=17)) != hash(DENSE)
+    assert "_hash" not in pickle.loads(pickle.dumps(DENSE)).__dict__
