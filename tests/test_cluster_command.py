@@ -61,6 +61,20 @@ def test_a_405b_config_plans_here_and_fix_prints_one_json_object_with_the_fixed_
     assert answer["tokens_per_second_per_gpu"] == pytest.approx(tokens, rel=1e-3)
 
 
+def test_attention_without_a_flash_kernel_is_a_flag_that_slows_the_same_configuration(monkeypatch, capsys):
+    job = ["--cluster", "8xA100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "8", "--heads", "16",
+           "--seq-len", "2048", "--global-batch", "64"]  # fmt: skip
+    fixed = ["--fix", "tp=2,pp=2,dp=2,schedule=1f1b,microbatch-size=1,recompute=none,zero=1,sp=off", "--json"]
+    steps = {}
+    for kernel in ("flash", "materialized"):
+        code, out, err = plan(monkeypatch, capsys, *job, *fixed, "--attention", kernel)
+        assert (code, err) == (0, "")
+        steps[kernel] = json.loads(out)["step_seconds"]
+    assert steps["materialized"] > steps["flash"]  # the score matrix's trips through memory
+    code, out, _ = plan(monkeypatch, capsys, *job, "--attention", "materialized", "--top", "1")
+    assert code == 0 and "attention's scores materialized" in out.splitlines()[0]
+
+
 def test_the_search_prints_its_ranking_and_why_the_best_wins(monkeypatch, capsys):
     code, out, err = plan(
         monkeypatch, capsys, "--cluster", "16xH100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "16",
@@ -173,6 +187,9 @@ def _t5_config(tmp_path) -> str:
          "argument --gradients: invalid choice: 'fp16' (choose from 'fp32', 'bf16+fp32')"),
         (["--params", "1e9", "--tp-backward-overlap"], "--tp-backward-overlap plans a cluster on paper"),
         (["--params", "1e9", "--deepspeed"], "--deepspeed plans a cluster on paper"),
+        (["--params", "1e9", "--attention", "materialized"], "--attention plans a cluster on paper"),
+        (["--cluster", "8xA100-80GB", "--params", "1e9", "--attention", "eager"],
+         "argument --attention: invalid choice: 'eager' (choose from 'flash', 'materialized')"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],

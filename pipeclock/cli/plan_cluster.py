@@ -21,6 +21,7 @@ from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import (
+    ATTENTION_KERNELS,
     GRADIENTS,
     RECOMPUTES,
     RETIRED_RECOMPUTES,
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
     )  # fmt: skip
     group.add_argument(
+        "--attention", choices=list(ATTENTION_KERNELS), default=None,
+        help="--cluster: the attention core's kernel: flash (a flash-style kernel; the default), or "
+        "materialized (the score matrix through memory, as runs before FlashAttention did)",
+    )  # fmt: skip
+    group.add_argument(
         "--tp-backward-overlap", action="store_true",
         help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
         "async all-reduce)",
@@ -87,6 +93,7 @@ def refuse_without_cluster(args: argparse.Namespace) -> None:
     for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
                           ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
+                          ("--attention", args.attention),
                           ("--tp-backward-overlap", args.tp_backward_overlap),
                           ("--deepspeed", args.deepspeed)):  # fmt: skip
         if given:
@@ -100,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     model, seq_len = model_from(args)
     job = Job(_global_batch(args, model, seq_len), seq_len)
     software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
-                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed)  # fmt: skip
+                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed,
+                        attention=args.attention or "flash")  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

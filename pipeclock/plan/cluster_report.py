@@ -22,6 +22,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         + (", bf16 gradients beside fp32" if software.gradients != "fp32" else "")
         + (", tp backward overlapped" if software.tp_backward_overlap else "")
         + (", DeepSpeed" if software.deepspeed else "")
+        + (", attention's scores materialized" if software.attention == "materialized" else "")
     )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
