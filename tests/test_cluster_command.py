@@ -75,6 +75,16 @@ def test_attention_without_a_flash_kernel_is_a_flag_that_slows_the_same_configur
     assert code == 0 and "attention's scores materialized" in out.splitlines()[0]
 
 
+def test_a_fixed_v_schedule_is_searched_over_the_layouts_with_a_pipeline(monkeypatch, capsys):
+    model = ["--model", "gpt", "--dim", "1024", "--layers", "8", "--heads", "16"]
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "8xH100-80GB", *model, "--fix", "schedule=dualpipev", "--json"
+    )
+    assert (code, err) == (0, "")
+    answer = json.loads(out)
+    assert answer["schedule"] == "dualpipev" and answer["pp"] >= 2
+
+
 def test_the_search_prints_its_ranking_and_why_the_best_wins(monkeypatch, capsys):
     code, out, err = plan(
         monkeypatch, capsys, "--cluster", "16xH100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "16",
@@ -188,6 +198,8 @@ def _t5_config(tmp_path) -> str:
         (["--params", "1e9", "--tp-backward-overlap"], "--tp-backward-overlap plans a cluster on paper"),
         (["--params", "1e9", "--deepspeed"], "--deepspeed plans a cluster on paper"),
         (["--params", "1e9", "--attention", "materialized"], "--attention plans a cluster on paper"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "schedule=zb-v,pp=1"],
+         "--fix schedule=zb-v folds the model over the pipeline's ranks: not with pp=1"),
         (["--cluster", "8xA100-80GB", "--params", "1e9", "--attention", "eager"],
          "argument --attention: invalid choice: 'eager' (choose from 'flash', 'materialized')"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],

@@ -298,7 +298,8 @@ def _layouts(model, cluster, job, fixed) -> Iterator[tuple[int, int, int]]:
 
 def _schedules(model: PaperModel, pp: int, fixed: dict) -> Iterator[tuple[str, int]]:
     if pp == 1:
-        yield fixed.get("schedule", ONE_STAGE_SCHEDULE), 1
+        if fixed.get("schedule") not in V_SCHEDULES:  # a V needs a pipeline to fold the model over
+            yield fixed.get("schedule", ONE_STAGE_SCHEDULE), 1
         return
     for name in _choice(fixed, "schedule", tuple(SCHEDULES)):
         if name in V_SCHEDULES:
@@ -352,6 +353,10 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
     schedule, chunks = fixed.get("schedule"), fixed.get("chunks")
     if chunks is not None and chunks > 1 and schedule not in (None, "interleaved-1f1b", *V_SCHEDULES):
         raise SearchError(f"--fix chunks={chunks} needs an interleaved schedule, not {schedule}")
+    if schedule in V_SCHEDULES and fixed.get("pp") == 1:
+        raise SearchError(
+            f"--fix schedule={schedule} folds the model over the pipeline's ranks: not with pp=1"
+        )
     if chunks is not None and schedule in V_SCHEDULES and chunks != 2:
         raise SearchError(f"--fix schedule={schedule} is a V: two chunks per rank, not {chunks}")
     if chunks is not None and "pp" in fixed and fixed["pp"] * chunks > model.layers:
