@@ -10,7 +10,8 @@ exceed the GPU is dropped at once. The others wait in a queue ordered by a floor
 first the cheapest (`pipeclock.plan.cluster_time.work_floor`: the work spread evenly over the stages),
 and when one reaches the front, the tighter one its schedule gives (`pipeline_floor`, plus what data
 parallel and the optimizer add for sure), with which it queues again; at the front a second time it is
-judged: the fullest GPU's memory, and where it fits, the step from the program simulator. A
+judged: the fullest GPU's memory (first a floor on it that reads no schedule, `memory_floor`), and where
+it fits, the step from the program simulator. A
 selective-attention configuration is not judged when the same one without recompute fit: it does the
 same work plus the attention core again, on the same schedule. The search stops once no floor left can
 beat the ``top``-th best step found; the simulations themselves are cached by their costs' ratios.
