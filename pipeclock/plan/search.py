@@ -115,7 +115,6 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     ranked: list[tuple[float, Prediction]] = []
     fit: set[Config] = set()
     too_large: list[tuple[Config, GpuMemory | None]] = []  # judged, in order, with their memory if read
-    read: set[tuple] = set()  # the schedule shapes whose memory was judged
     while queue:
         floor, _, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
@@ -131,11 +130,9 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
             continue  # the same run keeping the attention core too fits, and skips the core's second run
         progress(result.considered, result.judged, ranked[0][0] if ranked else None)
         result.judged += 1
-        shape = (config.schedule, config.pp, config.microbatches, config.chunks)
-        if shape not in read and memory_floor(model, config, job, software) > capacity:
-            too_large.append((config, None))  # over the GPU without generating its schedule
+        if memory_floor(model, config, job, software) > capacity:
+            too_large.append((config, None))  # over the GPU without reading its schedule
             continue
-        read.add(shape)  # its schedule's held micro-batches are known now: the floor saves nothing
         memory = gpu_memory(model, config, job, software)
         if memory.total > capacity:
             too_large.append((config, memory))
