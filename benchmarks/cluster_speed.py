@@ -55,8 +55,8 @@ SEARCHES = [
      "gpt-6.7b", 256, "H100-80GB", 1024, 2048, {}),
     ("--fix pp=64: GPT 1T, 3072 x A100-80GB, 3072 x 2048 tokens",
      "gpt-1t", 3072, "A100-80GB", 3072, 2048, {"pp": 64}),
-    ("search: DeepSeek-V3 (its config.json, MoE, fp8), 2048 x H800, 15360 x 4096 tokens",
-     "deepseek-v3", 2048, "h800.json", 15360, 4096, {}),
+    ("search: DeepSeek-V3 (its config.json, MoE, fp8, fused), 2048 x H800, 15360 x 4096 tokens "
+     "(docs/cluster.md's free DeepSeek-V3 command)", "deepseek-v3", 2048, "h800.json", 15360, 4096, {}),
 ]  # fmt: skip
 
 
@@ -74,24 +74,41 @@ def _model(which: str):
 
 
 def search_once(which: str, gpus: int, kind: str, batch: int, seq: int, fixed: dict) -> dict:
-    """One search from empty caches, the model read as ``plan`` reads it (config file included)."""
-    from pipeclock.plan import cluster_memory, pipeline_replay, pipeline_time
+    """One search from empty caches, the model read as ``plan`` reads it (its config file included; the
+    first read of a config imports transformers, which the least of several runs leaves out)."""
     from pipeclock.plan.cluster_config import Job, Software
     from pipeclock.plan.gpus import KINDS, Cluster, load_spec
     from pipeclock.plan.search import search
 
-    for cached in (pipeline_time.simulated, pipeline_replay.compiled, pipeline_replay.schedule_table,
-                   cluster_memory.held_microbatches,
-                   cluster_memory._held, cluster_memory.placement_for):  # fmt: skip
-        cached.cache_clear()
+    model = _model(which)
+    clear_caches()
     gpu = load_spec(CONFIGS / kind) if kind.endswith(".json") else KINDS[kind]
     software = Software("fp8", True, False) if which == "deepseek-v3" else Software("bf16")
-    found = search(_model(which), Cluster(gpus, gpu), Job(batch, seq), software, fixed, top=1 if fixed else 5)
+    found = search(model, Cluster(gpus, gpu), Job(batch, seq), software, fixed, top=1 if fixed else 5)
     best = found.ranked[0]
     return {
         "considered": found.considered, "judged": found.judged, "simulated": found.simulated,
         "best": best.config.label(), "tokens_per_second_per_gpu": round(best.tokens_per_second_per_gpu, 1),
     }  # fmt: skip
+
+
+def clear_caches() -> None:
+    """Empty every cache pipeclock keeps (functions', methods', and the floors' tables), as a fresh
+    process starts: a search must not be timed on what the previous run left."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("pipeclock"):
+            continue
+        for value in list(vars(module).values()):
+            inside = vars(value).values() if isinstance(value, type) else ()
+            for cached in (value, *inside):
+                if hasattr(cached, "cache_clear"):
+                    cached.cache_clear()
+    from pipeclock.plan import pipeline_time
+
+    pipeline_time._FLOOR_TERMS.clear()
+    pipeline_time._SHAPES.clear()
 
 
 def main() -> None:

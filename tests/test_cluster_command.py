@@ -80,6 +80,30 @@ def test_fp8_keeps_says_what_an_fp8_runs_products_keep(monkeypatch, capsys):
     assert memory["te-fp8-params"] < memory["te"]
 
 
+def test_attention_without_a_flash_kernel_is_a_flag_that_slows_the_same_configuration(monkeypatch, capsys):
+    job = ["--cluster", "8xA100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "8", "--heads", "16",
+           "--seq-len", "2048", "--global-batch", "64"]  # fmt: skip
+    fixed = ["--fix", "tp=2,pp=2,dp=2,schedule=1f1b,microbatch-size=1,recompute=none,zero=1,sp=off", "--json"]
+    steps = {}
+    for kernel in ("flash", "materialized"):
+        code, out, err = plan(monkeypatch, capsys, *job, *fixed, "--attention", kernel)
+        assert (code, err) == (0, "")
+        steps[kernel] = json.loads(out)["step_seconds"]
+    assert steps["materialized"] > steps["flash"]  # the score matrix's trips through memory
+    code, out, _ = plan(monkeypatch, capsys, *job, "--attention", "materialized", "--top", "1")
+    assert code == 0 and "attention's scores materialized" in out.splitlines()[0]
+
+
+def test_a_fixed_v_schedule_is_searched_over_the_layouts_with_a_pipeline(monkeypatch, capsys):
+    model = ["--model", "gpt", "--dim", "1024", "--layers", "8", "--heads", "16"]
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "8xH100-80GB", *model, "--fix", "schedule=dualpipev", "--json"
+    )
+    assert (code, err) == (0, "")
+    answer = json.loads(out)
+    assert answer["schedule"] == "dualpipev" and answer["pp"] >= 2
+
+
 def test_the_search_prints_its_ranking_and_why_the_best_wins(monkeypatch, capsys):
     code, out, err = plan(
         monkeypatch, capsys, "--cluster", "16xH100-80GB", "--model", "gpt", "--dim", "2048", "--layers", "16",
@@ -197,6 +221,11 @@ def _t5_config(tmp_path) -> str:
          "--fp8-keeps says what fp8 products keep: give --dtype fp8 too"),
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--dtype", "fp8", "--fp8-keeps", "fp4"],
          "argument --fp8-keeps: invalid choice: 'fp4'"),
+        (["--params", "1e9", "--attention", "materialized"], "--attention plans a cluster on paper"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "schedule=zb-v,pp=1"],
+         "--fix schedule=zb-v folds the model over the pipeline's ranks: not with pp=1"),
+        (["--cluster", "8xA100-80GB", "--params", "1e9", "--attention", "eager"],
+         "argument --attention: invalid choice: 'eager' (choose from 'flash', 'materialized')"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb NaN"],
          "memory_gb must be a finite number above 0, got nan"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC memory_gb 1e400"],

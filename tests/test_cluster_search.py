@@ -4,6 +4,7 @@ program simulator's, and its pruning never drops a configuration that could win.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -54,6 +55,35 @@ def test_a_pruned_search_finds_the_best_that_judging_every_configuration_finds()
     fastest = min((p for p in every if p.fits), key=lambda p: p.time.step)
     assert found.ranked[0].time.step == pytest.approx(fastest.time.step, rel=1e-12)
     assert found.simulated < len(every) / 10  # and it simulated a small share of them
+
+
+def _deepseek_v3() -> tuple:
+    from pipeclock.plan.gpus import load_spec, parse_cluster
+    from pipeclock.plan.hf_paper import paper_model, read_config
+
+    model = paper_model(read_config("docs/cluster/deepseek-v3.json"), "DeepSeek-V3")
+    return model, parse_cluster("2048xH800", load_spec("docs/cluster/h800.json")), Job(15360, 4096)
+
+
+def test_the_cheap_floor_leaves_out_the_all_to_alls_a_dualpipev_step_hides():
+    from pipeclock.plan.cluster_time import work_floor
+
+    model, h800s, job = _deepseek_v3()
+    software = Software("fp8", fused=True)
+    config = Config(1, 16, 128, "dualpipev", 2, 1, 120, "selective-op", 1, False, 16)
+    step = predict(model, config, job, software, h800s).time.step
+    assert work_floor(model, config, job, software, Rates(h800s.kind, software)) <= step
+
+
+def test_costs_cached_for_one_expert_parallel_degree_are_not_read_for_another():
+    model, h800s, job = _deepseek_v3()
+    software = Software("fp8", fused=True)
+    config = Config(1, 16, 128, "dualpipev", 2, 1, 120, "selective-op", 1, False, 16)
+    shared = Rates(h800s.kind, software)
+    stage_costs(model, replace(config, ep=1), job, software, shared)  # ep 1 first: no all-to-all
+    assert stage_costs(model, config, job, software, shared) == stage_costs(
+        model, config, job, software, Rates(h800s.kind, software)
+    )
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,16 @@ costs, messages and expert parallel's all-to-alls."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import replace
 
 import pytest
 
-from pipeclock.engine.generators import SCHEDULES
+from pipeclock.engine.actions import placement_of
+from pipeclock.engine.generators import SCHEDULES, generate
 from pipeclock.plan.cluster_config import Job, Software
-from pipeclock.plan.cluster_memory import static_floor
+from pipeclock.plan.cluster_memory import gpu_memory, memory_floor, placement_for, static_floor
 from pipeclock.plan.cluster_time import Rates, optimizer_seconds, work_floor
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -73,7 +75,8 @@ def test_the_search_floors_each_group_once_as_it_would_each_configuration(model)
                 optimizer_seconds(model, config, rates),
             ))  # fmt: skip
         assert len(floors) == 1, base
-        for config, _, floor in group_floors(model, base, members, job, software, rates):
+        for schedule, chunks, _, floor in group_floors(model, base, members, job, software, rates):
+            config = replace(base, schedule=schedule, chunks=chunks)
             assert floor == floor_of(model, config, job, software, rates), config
     assert [grouped[n] for n in sorted(grouped)] == list(configurations(model, cluster, job, {}))
 
@@ -88,3 +91,47 @@ def test_a_search_leaves_the_garbage_collector_as_it_found_it():
     with pytest.raises(SearchError):
         search(DENSE, cluster, job, Software("bf16"), {"tp": 16}, top=1)
     assert gc.isenabled()
+
+
+def test_a_schedules_placement_is_read_without_generating_it_as_the_generator_places_it():
+    for schedule in SCHEDULES:
+        for pp in (1, 2, 3, 5):
+            for chunks in CHUNKS.get(schedule, (1,)):
+                expected = placement_of(generate(schedule, pp, 1, chunks))
+                assert placement_for(schedule, pp, chunks) == expected, (schedule, pp, chunks)
+
+
+@pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
+def test_the_memory_floor_never_exceeds_the_memory_a_configuration_takes(model):
+    """A search rejects a configuration whose `memory_floor` is over the GPU without reading its
+    schedule: the floor must be under the judged memory, on every configuration."""
+    cluster, job = Cluster(8, KINDS["H100-80GB"]), Job(16, 4096)
+    for software in (Software("bf16"), Software("fp8", True, False)):
+        for config in itertools.islice(configurations(model, cluster, job, {}), 0, None, 3):
+            floor = memory_floor(model, config, job, software)
+            assert floor <= gpu_memory(model, config, job, software).total, config
+
+
+def test_a_search_where_nothing_fits_names_the_closest_it_judged():
+    """Where every configuration judged is too large, the closest is the one with the least memory, as
+    judging each on its own finds."""
+    cluster, job, software = (
+        Cluster(4, replace(KINDS["H100-80GB"], memory=5 * 2**30)),
+        Job(8, 4096),
+        Software("bf16"),
+    )
+    found = search(DENSE, cluster, job, software, top=1)
+    assert not found.ranked and found.judged
+    every = [
+        gpu_memory(DENSE, config, job, software).total for config in configurations(DENSE, cluster, job, {})
+    ]
+    assert found.smallest.memory.total == min(every)
+
+
+def test_a_models_hash_is_its_fields_and_another_process_computes_its_own():
+    import pickle
+
+    twin = replace(DENSE, name=DENSE.name)
+    assert hash(DENSE) == hash(twin) and twin == DENSE and {DENSE: 1}[twin] == 1
+    assert hash(replace(DENSE, layers=17)) != hash(DENSE)
+    assert "_hash" not in pickle.loads(pickle.dumps(DENSE)).__dict__

@@ -21,6 +21,7 @@ from pipeclock.engine.generators import SCHEDULES
 from pipeclock.plan import calibration
 from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import (
+    ATTENTION_KERNELS,
     CP_EXCHANGES,
     FP8_KEEPS,
     GRADIENTS,
@@ -79,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Engine), or fp8 inputs and fp8 weights (Transformer Engine with fp8 parameters)",
     )  # fmt: skip
     group.add_argument(
+        "--attention", choices=list(ATTENTION_KERNELS), default=None,
+        help="--cluster: the attention core's kernel: flash (a flash-style kernel; the default), or "
+        "materialized (the score matrix through memory, as runs before FlashAttention did)",
+    )  # fmt: skip
+    group.add_argument(
         "--tp-backward-overlap", action="store_true",
         help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
         "async all-reduce)",
@@ -101,6 +107,7 @@ def refuse_without_cluster(args: argparse.Namespace) -> None:
                           ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
                           ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
                           ("--fp8-keeps", args.fp8_keeps),
+                          ("--attention", args.attention),
                           ("--tp-backward-overlap", args.tp_backward_overlap),
                           ("--deepspeed", args.deepspeed), ("--cp-exchange", args.cp_exchange)):  # fmt: skip
         if given:
@@ -118,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
                         tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed,
                         fp8=args.fp8_keeps or "torchao",
-                        cp_exchange=args.cp_exchange or "all-gather")  # fmt: skip
+                        cp_exchange=args.cp_exchange or "all-gather",
+                        attention=args.attention or "flash")  # fmt: skip
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()

@@ -15,10 +15,18 @@ with ``_VRank``, which counts, per chunk, the micro-batches already sent forward
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 from pipeclock.engine.actions import Action, Schedule
 from pipeclock.engine.placement import Placement
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _action(op: str, microbatch: int, chunk: int, overlap: bool = False) -> Action:
+    """One shared object per action: actions are immutable, and a long schedule's ranks build hundreds
+    of thousands of them."""
+    return Action(op, microbatch, chunk, overlap=overlap)  # type: ignore[arg-type]
 
 
 class _VRank:
@@ -35,19 +43,19 @@ class _VRank:
         return mb
 
     def forward(self, chunk: int) -> None:
-        self.actions.append(Action("F", self._take("F", chunk), chunk))
+        self.actions.append(_action("F", self._take("F", chunk), chunk))
 
     def pair(self, forward_chunk: int, backward_chunk: int) -> None:
         """An overlapped pair: a forward of one chunk and a whole backward of the other, started together."""
-        self.actions.append(Action("F", self._take("F", forward_chunk), forward_chunk, overlap=True))
+        self.actions.append(_action("F", self._take("F", forward_chunk), forward_chunk, True))
         self.backward(backward_chunk)
 
     def backward(self, chunk: int, split: bool = False) -> None:
         """The next backward of ``chunk``: whole (``B``), or its input half (``I``, W queued)."""
-        action = Action("I" if split else "B", self._take("B", chunk), chunk)
+        action = _action("I" if split else "B", self._take("B", chunk), chunk)
         self.actions.append(action)
         if split:
-            self._weights.append(Action("W", action.microbatch, chunk))
+            self._weights.append(_action("W", action.microbatch, chunk))
 
     def weight(self, chunk: int | None = None) -> None:
         """The oldest queued W (of ``chunk``, if given), if any: per chunk, W's follow the I's order."""

@@ -25,7 +25,8 @@ import functools
 from dataclasses import dataclass
 
 from pipeclock.engine.actions import placement_of
-from pipeclock.engine.generators import generate
+from pipeclock.engine.generators import V_SCHEDULES
+from pipeclock.engine.placement import Placement
 from pipeclock.models.partition import partition
 from pipeclock.plan import activations, calibration, context_parallel, experts
 from pipeclock.plan.cluster_config import GRADIENTS, Config, Job, Software
@@ -74,9 +75,11 @@ def _cut(layers: int, stages: int) -> list[range]:
 
 
 @functools.lru_cache(maxsize=1024)
-def placement_for(schedule: str, pp: int, chunks: int):
-    """Which virtual stages each rank holds (the same for every micro-batch count)."""
-    return placement_of(generate(schedule, pp, 1, chunks))
+def placement_for(schedule: str, pp: int, chunks: int) -> Placement:
+    """Which virtual stages each rank holds (the same for every micro-batch count): the V's for a V
+    schedule, else the loop; a test holds it to the generator's own, which a long V takes a while to
+    give."""
+    return Placement.v(pp) if schedule in V_SCHEDULES else Placement.loop(pp, chunks)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -136,6 +139,21 @@ def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) 
             for rank in candidates
         ),
         key=lambda memory: memory.allocated,
+    )
+
+
+def memory_floor(model: PaperModel, config: Config, job: Job, software: Software) -> float:
+    """A total `gpu_memory` cannot be under, without generating the schedule: the first rank, the last
+    stage's and the one with most layers, each holding a single micro-batch (every rank holds at least
+    the one it runs forward until its backward). Floats round monotonically, so the bound holds to the
+    bit; a search judges a configuration over it too large without reading its schedule."""
+    cuts = stage_layers(model, config)
+    placement = placement_for(config.schedule, config.pp, config.chunks)
+    last = placement.owner(placement.num_virtual - 1)[0]
+    layers = [sum(len(cuts[s]) for s in stages) for stages in placement.stages]
+    return max(
+        _rank_memory(model, config, job, software, cuts, rank, (1, 1), placement).total
+        for rank in {0, last, layers.index(max(layers))}
     )
 
 

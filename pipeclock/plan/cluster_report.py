@@ -29,6 +29,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         + (", tp backward overlapped" if software.tp_backward_overlap else "")
         + (", DeepSpeed" if software.deepspeed else "")
         + (_FP8_WORDS[software.fp8] if software.dtype == "fp8" else "")
+        + (", attention's scores materialized" if software.attention == "materialized" else "")
     )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"

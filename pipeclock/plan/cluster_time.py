@@ -94,6 +94,7 @@ class Rates:
         self.per_layer: dict[tuple, tuple] = {}  # a search asks for the same layer's costs often
         self.per_stages: dict[tuple, list] = {}
         self.stage_parameters: dict[tuple, list] = {}
+        self.stage_shapes: dict[tuple, tuple] = {}
 
 
 def layer_time(model: PaperModel, config: Config, job: Job, software: Software, rates: Rates) -> LayerTime:
@@ -176,17 +177,21 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
         return cached
     own, ends = _layer_and_ends(model, config, job, software, rates)  # read once for all the stages
     cuts = stage_layers(model, config)
-    costs = []
-    for index, cut in enumerate(cuts):
+    shapes = rates.stage_shapes.get((model, len(cuts)))
+    if shapes is None:  # the cut depends on the count of stages alone
+        shapes = rates.stage_shapes[(model, len(cuts))] = _stage_shapes(model, cuts)
+    made: dict[tuple, dict[str, float]] = {}
+    for shape, kinds in shapes[1].items():  # stages alike cost alike
+        first, last = shape[1:]
         cost = dict.fromkeys(("F", "I", "W", "xF", "xB"), 0.0)  # xF, xB: inside F, and B or I
-        for block, n in blocks(model, cut):
+        for block, n in kinds:
             layer = own if block is model else _layer_and_ends(block, config, job, software, rates)[0]
             cost["F"] += n * layer.forward
             cost["I"] += n * layer.input_grad
             cost["W"] += n * layer.weight_grad
             cost["xF"] += n * layer.exchange_forward
             cost["xB"] += n * layer.exchange_backward
-        for end, applies in (("first", index == 0), ("last", index == len(cuts) - 1)):
+        for end, applies in (("first", first), ("last", last)):
             if applies:
                 for op in ("F", "I", "W"):
                     cost[op] += ends[end][op]
@@ -194,9 +199,22 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
         if len(cuts) == 1:  # ZeRO-3 on one stage times its block-by-block collectives (`zero3_time`)
             cost["block"] = (layer.forward, layer.input_grad + layer.weight_grad)
             cost["ends"] = tuple(ends[end][op] for end in ("first", "last") for op in ("F", "B"))
-        costs.append(cost)
+        made[shape] = cost
+    costs = [dict(made[shape]) for shape in shapes[0]]
     rates.per_stages[(key, config.pp, config.chunks)] = costs
     return costs
+
+
+def _stage_shapes(model: PaperModel, cuts: list[range]) -> tuple[list[tuple], dict[tuple, list]]:
+    """Each stage's shape (its count of each kind of block, whether it is the first, the last), and each
+    shape's `blocks`: stages of one shape cost the same."""
+    shapes, kinds_of = [], {}
+    for index, cut in enumerate(cuts):
+        kinds = blocks(model, cut)
+        shape = (tuple(n for _, n in kinds), index == 0, index == len(cuts) - 1)
+        shapes.append(shape)
+        kinds_of.setdefault(shape, kinds)
+    return shapes, kinds_of
 
 
 def blocks(model: PaperModel, cut: range) -> list[tuple[PaperModel, int]]:
@@ -207,8 +225,9 @@ def blocks(model: PaperModel, cut: range) -> list[tuple[PaperModel, int]]:
 
 
 def _layer_key(model, config, job, software) -> tuple:
+    """What a layer's costs depend on: its all-to-all on ep, its exchange of keys and values on cp."""
     return (model, config.tp, config.sequence_parallel, config.recompute, config.microbatch_size, job,
-            software, config.cp)  # fmt: skip
+            software, config.cp, config.ep)  # fmt: skip
 
 
 def _layer_and_ends(model, config, job, software, rates) -> tuple[LayerTime, dict]:
@@ -222,12 +241,14 @@ def _layer_and_ends(model, config, job, software, rates) -> tuple[LayerTime, dic
 
 def work_floor(model, config: Config, job: Job, software: Software, rates: Rates) -> float:
     """A cheap floor on the step, with no schedule read: the pipeline's work spread evenly over its
-    ranks, plus the optimizer (`pipeline_floor` is tighter and costs more)."""
+    ranks, plus the optimizer (`pipeline_floor` is tighter and costs more). The experts' all-to-alls are
+    left out: a schedule that pairs a forward with a backward (DualPipeV) hides them."""
     ends = _layer_and_ends(model, config, job, software, rates)[1]
     work = 0.0
     for block, n in blocks(model, range(model.layers)):
         layer = _layer_and_ends(block, config, job, software, rates)[0]
-        work += n * (layer.forward + layer.input_grad + layer.weight_grad)
+        exchange = layer.exchange_forward + layer.exchange_backward
+        work += n * (layer.forward + layer.input_grad + layer.weight_grad - exchange)
     work += sum(ends[end][op] for end in ("first", "last") for op in ("F", "I", "W"))
     return config.microbatches * work / config.pp + optimizer_seconds(model, config, rates)
 
@@ -333,7 +354,7 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4
     cuts = stage_layers(model, config)
-    shape = (model, config.tp, config.pp, config.chunks)
+    shape = (model, config.tp, config.pp, config.chunks, config.ep)  # ep: the experts a rank holds
     if shape not in rates.stage_parameters:
         rates.stage_parameters[shape] = [_stage_parameters(model, config, s, cuts) for s in range(len(cuts))]
     stage_parameters = rates.stage_parameters[shape]

@@ -80,6 +80,17 @@ class PaperModel:
         if self.kind == "transformer" and self.heads % self.kv_heads:
             raise ValueError(f"{self.heads} heads do not divide into {self.kv_heads} key/value heads")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: a search's caches are keyed by the model, millions of times."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}  # another process hashes anew
+
     # --- shapes --------------------------------------------------------------------------------------
 
     @property

@@ -77,13 +77,16 @@ def compile_table(rows, placement) -> Compiled:
     """Compile ``rows`` (each rank's actions) on ``placement`` (see `Compiled`)."""
     shape = _numbered(rows, placement)
     none = len(shape["stage"])
-    charges = sorted(set(shape["charge"]))
-    position = {key: n for n, key in enumerate(charges)}
+    met = shape["charges"]  # each charge once, numbered as first met
+    charges = sorted(met)
+    final = [0] * len(met)
+    for n, key in enumerate(charges):
+        final[met[key]] = n
     return Compiled(
         ranks=len(rows),
         none=none,
         order=_topological(_waits(shape, none), none),
-        duration_of=tuple(position[key] for key in shape["charge"]),
+        duration_of=tuple([final[k] for k in shape["charge"]]),
         charges=tuple(charges),
         by_rank=tuple(tuple(mine) for mine in shape["by_rank"]),
         stage_of=tuple(shape["stage"]),
@@ -94,9 +97,14 @@ def compile_table(rows, placement) -> Compiled:
 def _numbered(rows, placement) -> dict:
     """Every rank's compute actions numbered across ranks, with what the lowering decides for each:
     its group (an action, or an overlapped pair: sends leave after the group's last, receives are
-    posted after the rank's compute before it), how its duration is charged, where outputs come from."""
+    posted after the rank's compute before it), how its duration is charged (a number in ``charges``,
+    as first met), where outputs come from (``made``: by micro-batch, stage, and 0 for F or 1 for B or
+    I, as one number, `_made_key`)."""
     stage, op, microbatch, rank_of, group_end, before, charge, by_rank = ([] for _ in range(8))
-    made: dict[tuple[int, int, int], int] = {}  # (0: F, 1: B or I, stage, micro-batch) -> action
+    virtual = placement.num_virtual
+    made: dict[int, int] = {}
+    charges: dict[tuple[int, int, int, int, int], int] = {}
+    lone: dict[int, int] = {}  # a lone action's charge number, by stage and op
     for rank, actions in enumerate(rows):
         first, count, stages = len(stage), len(actions), placement.stages[rank]
         numbers = range(first, first + count)
@@ -107,26 +115,34 @@ def _numbered(rows, placement) -> dict:
         op += kinds
         microbatch += batches
         rank_of += [rank] * count
-        by_rank.append(list(numbers))
+        by_rank.append(numbers)
         if any(action.overlap for action in actions):
-            _grouped(actions, first, kinds, where, group_end, before, charge)
+            _grouped(actions, first, kinds, where, group_end, before, charge, charges)
         else:  # each action its own group
             group_end += numbers
             before += [-1, *numbers[:-1]] if count else []
-            charge += [(LONE, s, k, 0, 0) for s, k in zip(where, kinds, strict=True)]
-        outputs = [
-            ((min(k, 1), s, b), n)
-            for k, s, b, n in zip(kinds, where, batches, numbers, strict=True)
-            if k != 3
-        ]
-        made.update(reversed(outputs))  # the first wins: an I gives what a B gives, the input's gradient
-    backward_stages = {key[1] for key in made if key[0] == 1}
+            for s, k in zip(where, kinds, strict=True):
+                number = lone.get(s * 4 + k)
+                if number is None:
+                    number = lone[s * 4 + k] = charges.setdefault((LONE, s, k, 0, 0), len(charges))
+                charge.append(number)
+        for k, s, b, n in zip(kinds, where, batches, numbers, strict=True):
+            if k != 3:
+                key = ((b * virtual + s) << 1) | (k != 0)  # `_made_key`, inline: a call costs
+                if key not in made:  # the first wins: an I gives what a B gives, the input's gradient
+                    made[key] = n
+    backward_stages = {(key >> 1) % virtual for key in made if key & 1}
     return {"stage": stage, "op": op, "microbatch": microbatch, "rank": rank_of, "group_end": group_end,
-            "before": before, "charge": charge, "by_rank": by_rank, "made": made,
-            "backward_stages": backward_stages}  # fmt: skip
+            "before": before, "charge": charge, "charges": charges, "by_rank": by_rank, "made": made,
+            "backward_stages": backward_stages, "virtual": virtual}  # fmt: skip
 
 
-def _grouped(actions, first: int, kinds, where, group_end, before, charge) -> None:
+def _made_key(microbatch: int, stage: int, backward: bool, virtual: int) -> int:
+    """(micro-batch, stage, F or backward) as one number: a dict of numbers is quicker than of tuples."""
+    return ((microbatch * virtual + stage) << 1) | backward
+
+
+def _grouped(actions, first: int, kinds, where, group_end, before, charge, charges) -> None:
     """One rank's groups where overlapped pairs (an F marked ``overlap`` and the action after it) occur."""
     index, previous, count = 0, -1, len(actions)
     while index < count:
@@ -136,10 +152,13 @@ def _grouped(actions, first: int, kinds, where, group_end, before, charge) -> No
         before += [previous] * size
         if size == 2 and kinds[index] == 0 and kinds[index + 1] in (1, 2):
             partner, kind = where[index + 1], kinds[index + 1]
-            charge.append((PAIR_FORWARD, where[index], 0, partner, kind))
-            charge.append((PAIR_BACKWARD, partner, kind, where[index], 0))
+            keys = [
+                (PAIR_FORWARD, where[index], 0, partner, kind),
+                (PAIR_BACKWARD, partner, kind, where[index], 0),
+            ]
         else:
-            charge += [(LONE, where[n], kinds[n], 0, 0) for n in range(index, index + size)]
+            keys = [(LONE, where[n], kinds[n], 0, 0) for n in range(index, index + size)]
+        charge += [charges.setdefault(key, len(charges)) for key in keys]
         previous = end
         index += size
 
@@ -155,22 +174,25 @@ def _waits(shape: dict, none: int) -> list[list[tuple]]:
         shape["made"],
         shape["backward_stages"],
     )
+    virtual = shape["virtual"]
     queues = []
     for mine in shape["by_rank"]:
         queue, previous = [], none
+        append = queue.append
         for action in mine:
-            s, kind, mb = stage[action], op[action], microbatch[action]
+            s, kind = stage[action], op[action]
+            key = (microbatch[action] * virtual + s) << 1  # `_made_key` of this stage's F; + 1: its backward
             if kind == 0:  # F: the stage before's output
-                own, other = none, made[(0, s - 1, mb)] if s > 0 else none
+                own, other = none, made[key - 2] if s > 0 else none
             elif kind == 3:  # W: its own I
-                own, other = made[(1, s, mb)], none
+                own, other = made[key + 1], none
             else:  # B or I: its own forward, and the gradient from the stage after (past the last: none)
-                own, other = made[(0, s, mb)], made[(1, s + 1, mb)] if s + 1 in backward else none
+                own, other = made[key], made[key + 3] if s + 1 in backward else none
             remote = -1
             if other != none and rank_of[other] != rank_of[action]:
                 other, remote = none, group_end[other]
-            posted = before[action] if before[action] >= 0 else none
-            queue.append((action, previous, own, other, remote, posted))
+            posted = before[action]
+            append((action, previous, own, other, remote, posted if posted >= 0 else none))
             previous = action
         queues.append(queue)
     return queues

@@ -30,14 +30,16 @@ def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: floa
       and before the last one's gradient has gone back to the first stage (each hop across ranks costing
       at least one message).
     """
-    (ranks, chain, chain_per_microbatch), busiest_at = _floor_terms(
-        config.schedule, config.pp, config.chunks, costs
-    )
-    m = config.microbatches
+    return shape_floor(config.schedule, config.pp, config.chunks, config.microbatches, costs, transfer)
+
+
+def shape_floor(schedule: str, pp: int, chunks: int, m: int, costs: list[dict[str, float]], transfer: float):
+    """`pipeline_floor` of the schedule's shape, with no configuration to build (a search asks often)."""
+    (ranks, chain, chain_per_microbatch), busiest_at = _floor_terms(schedule, pp, chunks, costs)
     busiest = busiest_at.get(m)
     if busiest is None:
         busiest = busiest_at[m] = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
-    return max(busiest, chain + m * chain_per_microbatch + 2 * (config.pp - 1) * transfer)
+    return max(busiest, chain + m * chain_per_microbatch + 2 * (pp - 1) * transfer)
 
 
 _FLOOR_TERMS: dict[tuple, tuple] = {}
@@ -49,15 +51,15 @@ def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, floa
     dict for the busiest rank's time by micro-batch count. Kept while ``costs`` (a list `stage_costs`
     caches) lives."""
     shape = _floor_shape(schedule, pp, chunks)
-    key = (id(costs), shape)  # schedules that split alike on the same placement share their terms
+    key = (id(costs), id(shape))  # schedules that split alike on the same placement share their terms
     cached = _FLOOR_TERMS.get(key)
-    if cached is not None and cached[0] is costs:
-        return cached[1:]
+    if cached is not None and cached[0] is costs and cached[1] is shape:
+        return cached[2:]
     terms = _floor_terms_of(shape, costs)
     if len(_FLOOR_TERMS) > 4096:
         _FLOOR_TERMS.clear()
-    _FLOOR_TERMS[key] = (costs, terms, {})
-    return terms, _FLOOR_TERMS[key][2]
+    _FLOOR_TERMS[key] = (costs, shape, terms, {})
+    return terms, _FLOOR_TERMS[key][3]
 
 
 def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) -> tuple:
@@ -79,10 +81,16 @@ def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) ->
 
 @functools.lru_cache(maxsize=1024)
 def _floor_shape(schedule: str, pp: int, chunks: int) -> tuple[bool, tuple]:
-    """Whether the schedule splits its backwards, and each rank's virtual stages."""
-    return splits_backward(schedule), tuple(
-        tuple(stages) for stages in placement_for(schedule, pp, chunks).stages
+    """Whether the schedule splits its backwards, and each rank's virtual stages: one object for equal
+    shapes, which `_floor_terms` tells apart by identity."""
+    shape = (
+        splits_backward(schedule),
+        tuple(tuple(stages) for stages in placement_for(schedule, pp, chunks).stages),
     )
+    return _SHAPES.setdefault(shape, shape)
+
+
+_SHAPES: dict[tuple, tuple] = {}
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,7 +12,8 @@ exceed the GPU is dropped at once. The others wait in a queue ordered by a floor
 first the cheapest (`pipeclock.plan.cluster_time.work_floor`: the work spread evenly over the stages),
 and when one reaches the front, the tighter one its schedule gives (`pipeline_floor`, plus what data
 parallel and the optimizer add for sure), with which it queues again; at the front a second time it is
-judged: the fullest GPU's memory, and where it fits, the step from the program simulator. A
+judged: the fullest GPU's memory (first a floor on it that reads no schedule, `memory_floor`), and where
+it fits, the step from the program simulator. A
 selective-attention configuration is not judged when the same one without recompute fit: it does the
 same work plus the attention core again, on the same schedule. The search stops once no floor left can
 beat the ``top``-th best step found; the simulations themselves are cached by their costs' ratios.
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
 from pipeclock.plan import context_parallel, experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
-from pipeclock.plan.cluster_memory import gpu_memory, static_floor
+from pipeclock.plan.cluster_memory import GpuMemory, gpu_memory, memory_floor, static_floor
 from pipeclock.plan.cluster_plan import Prediction, rate
 from pipeclock.plan.cluster_time import (
     Rates,
@@ -43,7 +44,7 @@ from pipeclock.plan.cluster_time import (
 )
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
-from pipeclock.plan.pipeline_time import pipeline_floor
+from pipeclock.plan.pipeline_time import pipeline_floor, shape_floor
 
 INTERLEAVE_CHUNKS = (2, 3, 4, 6, 8)
 DEGREES = ("tp", "cp", "pp", "dp")  # the layout's degrees, innermost first
@@ -65,7 +66,7 @@ class SearchResult:
     judged: int = 0  # of them, whose memory was judged (best floor first, until none left could win)
     fitting: int = 0  # of those, that fit
     simulated: int = 0
-    smallest: Prediction | None = None  # when nothing fits: the configuration that comes closest
+    smallest: Prediction | None = None  # only when nothing fits: the configuration that comes closest
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,22 +120,28 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     heapq.heapify(queue)
     ranked: list[tuple[float, Prediction]] = []
     fit: set[Config] = set()
+    too_large: list[tuple[Config, GpuMemory | None]] = []  # judged, in order, with their memory if read
     while queue:
         floor, _, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
-            for member, number, tight in group_floors(model, *config, job, software, rates):
-                heapq.heappush(queue, (max(floor, tight), number, True, member))
+            base = config[0]
+            for schedule, chunks, number, tight in group_floors(model, *config, job, software, rates):
+                heapq.heappush(queue, (max(floor, tight), number, True, (base, schedule, chunks)))
             continue
+        base, schedule, chunks = config
+        config = replace(base, schedule=schedule, chunks=chunks)
         if config.recompute == "selective-attention" and replace(config, recompute="none") in fit:
             continue  # the same run keeping the attention core too fits, and skips the core's second run
         progress(result.considered, result.judged, ranked[0][0] if ranked else None)
-        memory = gpu_memory(model, config, job, software)
         result.judged += 1
+        if memory_floor(model, config, job, software) > capacity:
+            too_large.append((config, None))  # over the GPU without reading its schedule
+            continue
+        memory = gpu_memory(model, config, job, software)
         if memory.total > capacity:
-            if result.smallest is None or memory.total < result.smallest.memory.total:
-                result.smallest = _judged(model, config, job, software, cluster, memory)
+            too_large.append((config, memory))
             continue
         result.fitting += 1
         fit.add(config)
@@ -149,6 +156,8 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
         ranked.sort(key=lambda entry: entry[0])
         del ranked[top:]
     result.ranked = [prediction for _, prediction in ranked]
+    if not ranked:
+        result.smallest = _closest(model, too_large, job, software, cluster)
     if not ranked and result.smallest is None and leanest is not None:
         config = leanest[2]
         result.smallest = _judged(
@@ -157,24 +166,37 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     return result
 
 
+def _closest(model, too_large: list, job: Job, software: Software, cluster: Cluster) -> Prediction | None:
+    """Of the judged configurations that do not fit, in the order judged, the first with the least
+    memory, predicted (only a search where nothing fits needs it)."""
+    closest: tuple[Config, GpuMemory] | None = None
+    for config, memory in too_large:
+        memory = memory or gpu_memory(model, config, job, software)
+        if closest is None or memory.total < closest[1].total:
+            closest = (config, memory)
+    return None if closest is None else _judged(model, closest[0], job, software, cluster, closest[1])
+
+
 def group_floors(model, base: Config, members, job: Job, software: Software, rates: Rates) -> list:
-    """For each member of a `config_groups` group, (its configuration, its order number, a step time it
+    """For each member of a `config_groups` group, (its schedule, chunks, order number, a step time it
     cannot beat): its pipeline's floor, plus what data parallel adds for sure and the optimizer. What
     reads no schedule is computed once a group (the message, the optimizer) or once per chunk count (the
     stage costs, data parallel's share); a test holds each floor to `floor_of` the configuration."""
     transfer, optimizer = message_seconds(model, base, job, rates), optimizer_seconds(model, base, rates)
     per_chunks: dict[int, tuple] = {}
     floors = []
+    pp, m = base.pp, base.microbatches
     for schedule, chunks, number in members:
-        config = replace(base, schedule=schedule, chunks=chunks)
         if chunks not in per_chunks:
+            config = replace(base, schedule=schedule, chunks=chunks)
             costs = stage_costs(model, config, job, software, rates)
             per_chunks[chunks] = (
                 costs,
                 data_parallel_seconds(model, config, software, rates, costs, None, 1.0),
             )
         costs, data_parallel = per_chunks[chunks]
-        floors.append((config, number, pipeline_floor(config, costs, transfer) + data_parallel + optimizer))
+        tight = shape_floor(schedule, pp, chunks, m, costs, transfer) + data_parallel + optimizer
+        floors.append((schedule, chunks, number, tight))
     return floors
 
 
@@ -302,7 +324,8 @@ def _layouts_of(model, count: int, per_node: int, job, fixed) -> Iterator[tuple[
 
 def _schedules(model: PaperModel, pp: int, fixed: dict) -> Iterator[tuple[str, int]]:
     if pp == 1:
-        yield fixed.get("schedule", ONE_STAGE_SCHEDULE), 1
+        if fixed.get("schedule") not in V_SCHEDULES:  # a V needs a pipeline to fold the model over
+            yield fixed.get("schedule", ONE_STAGE_SCHEDULE), 1
         return
     for name in _choice(fixed, "schedule", tuple(SCHEDULES)):
         if name in V_SCHEDULES:
@@ -359,6 +382,10 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
     schedule, chunks = fixed.get("schedule"), fixed.get("chunks")
     if chunks is not None and chunks > 1 and schedule not in (None, "interleaved-1f1b", *V_SCHEDULES):
         raise SearchError(f"--fix chunks={chunks} needs an interleaved schedule, not {schedule}")
+    if schedule in V_SCHEDULES and fixed.get("pp") == 1:
+        raise SearchError(
+            f"--fix schedule={schedule} folds the model over the pipeline's ranks: not with pp=1"
+        )
     if chunks is not None and schedule in V_SCHEDULES and chunks != 2:
         raise SearchError(f"--fix schedule={schedule} is a V: two chunks per rank, not {chunks}")
     if chunks is not None and "pp" in fixed and fixed["pp"] * chunks > model.layers:
