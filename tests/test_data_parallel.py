@@ -8,6 +8,7 @@ embedding, padded token targets, dropout) equal the whole model's on one process
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeclock import parallel, schedule
@@ -71,5 +72,6 @@ def test_dp2_pp1_and_dp1_pp2_give_the_one_process_gradients_for_every_schedule_a
     check_meshes(2)
 
 
+@pytest.mark.long  # 40-60 s on 2 cores; the dp 2 and pp 2 meshes above run by default
 def test_dp4_pp1_and_dp2_pp2_give_the_one_process_gradients_for_every_schedule_and_engine():
     check_meshes(4)

@@ -279,6 +279,7 @@ def test_each_way_torchrun_keeps_its_store_gets_its_own_advice():
     assert restart_warning({**launched, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restart
 
 
+@pytest.mark.long  # 21 s, most of it the rendezvous timeout it waits out
 def test_a_process_group_that_cannot_form_in_time_is_one_line_per_rank(tmp_path):
     """``--timeout 0.01``: the store's wait or gloo's own connections time out, by chance; either way each
     rank says so in one line, and no traceback (a rank still starting when torchrun stops it says that
