@@ -4,7 +4,8 @@ resumed on another layout, and restarted after a rank dies.
 Every job trains the same small GPT for ten steps (dropout and the tied embedding included); each must
 follow the one-process Adam run with ``clip_grad_norm_`` to float tolerance. The jobs that need torchrun
 (its restart after a death, its rendezvous of two agents) run under it; the others run the train command
-on gloo processes from ``tests.distributed``, which start faster.
+on gloo processes from ``tests.distributed``, which start faster. The four-replica run and the two agents
+run with the long tests.
 """
 
 from __future__ import annotations
@@ -76,15 +77,16 @@ def _log(job: Launch | Started) -> str:
     return job.result() if isinstance(job, Launch) else printed(job)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Iterator[Runs]:
-    tmp = tmp_path_factory.mktemp("mesh")
-    started: list[Launch | Started] = []
+class Jobs:
+    """Starts the jobs of one fixture in one folder and stops whatever is left of them at the end."""
 
-    def job(name: str, processes: int, directory: str | None = None, **options) -> Launch | Started:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.started = tmp, []
+
+    def job(self, name: str, processes: int, directory: str | None = None, **options) -> Launch | Started:
         """A torchrun job when it restarts or joins other agents; else the command on gloo processes."""
-        options.setdefault("losses", tmp / f"{name}.json")
-        options.setdefault("checkpoint_dir", tmp / (directory or name))
+        options.setdefault("losses", self.tmp / f"{name}.json")
+        options.setdefault("checkpoint_dir", self.tmp / (directory or name))
         restarts = options.pop("restarts", 0)
         module = options.pop("module", "pipeclock")
         rendezvous = options.pop("rendezvous", None)
@@ -93,46 +95,57 @@ def runs(tmp_path_factory) -> Iterator[Runs]:
             argv = ["7", *argv]  # tests.dying_train kills local rank 1 after step 7 (once)
         if restarts or rendezvous or module != "pipeclock":
             launch = Launch(
-                tmp / name, processes, argv, restarts=restarts, module=module, rendezvous=rendezvous
+                self.tmp / name, processes, argv, restarts=restarts, module=module, rendezvous=rendezvous
             )
-            started.append(launch)
+            self.started.append(launch)
         else:
-            started.append(start_ranks(command, processes, argv, deadline=LAUNCH_TIMEOUT))
-        return started[-1]
+            self.started.append(start_ranks(command, processes, argv, deadline=LAUNCH_TIMEOUT))
+        return self.started[-1]
 
-    def agent(node: int, endpoint: str) -> Launch:
-        rendezvous = [
-            "--nnodes",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "two",
-        ]
+    def agent(self, node: int, endpoint: str) -> Launch:
+        rendezvous = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
         # one checkpoint directory for both, as machines that share a file system would have
-        return job(f"node{node}", 1, "nodes", dp=2, losses=tmp / "nodes.json", rendezvous=rendezvous)
+        rendezvous += ["--rdzv-id", "two"]
+        return self.job(
+            f"node{node}", 1, "nodes", dp=2, losses=self.tmp / "nodes.json", rendezvous=rendezvous
+        )
 
+    def stop(self) -> None:
+        for launch in self.started:
+            launch.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Iterator[Runs]:
+    """dp 2 x pp 2 dying once and restarted, then its step-5 checkpoint resumed on another mesh."""
+    jobs = Jobs(tmp_path_factory.mktemp("mesh"))
     try:
-        endpoint = f"127.0.0.1:{free_port()}"
         # dp 2 x pp 2 loses a rank after step 7; torchrun restarts it and it resumes from step 5
         dying = dict(checkpoint_every=5, resume=True, restarts=1, module="tests.dying_train")
-        first = {
-            "dp2pp2": job("dp2pp2", 4, dp=2, **dying),
-            "dp4": job("dp4", 4, dp=4, data_parallel="ddp"),
-            "node0": agent(0, endpoint),
-            "node1": agent(1, endpoint),
-        }
-        logs = {name: _log(launch) for name, launch in first.items()}
+        logs = {"dp2pp2": _log(jobs.job("dp2pp2", 4, dp=2, **dying))}
         # its step-5 checkpoint, two stages x two replicas, resumes on four stages and no replicas
-        shutil.copytree(tmp / "dp2pp2", tmp / "to_dp1pp4")
-        shutil.rmtree(tmp / "to_dp1pp4" / "step_000010")
-        logs["to_dp1pp4"] = _log(job("to_dp1pp4", 4, dp=1, resume=True))
-        yield Runs(tmp, logs)
+        shutil.copytree(jobs.tmp / "dp2pp2", jobs.tmp / "to_dp1pp4")
+        shutil.rmtree(jobs.tmp / "to_dp1pp4" / "step_000010")
+        logs["to_dp1pp4"] = _log(jobs.job("to_dp1pp4", 4, dp=1, resume=True))
+        yield Runs(jobs.tmp, logs)
     finally:
-        for launch in started:
-            launch.stop()
+        jobs.stop()
+
+
+@pytest.fixture(scope="module")
+def wide_runs(tmp_path_factory) -> Iterator[Runs]:
+    """Four replicas under DDP, and two torchrun agents joined by a c10d rendezvous (the long tests')."""
+    jobs = Jobs(tmp_path_factory.mktemp("wide"))
+    try:
+        endpoint = f"127.0.0.1:{free_port()}"
+        first = {
+            "dp4": jobs.job("dp4", 4, dp=4, data_parallel="ddp"),
+            "node0": jobs.agent(0, endpoint),
+            "node1": jobs.agent(1, endpoint),
+        }
+        yield Runs(jobs.tmp, {name: _log(launch) for name, launch in first.items()})
+    finally:
+        jobs.stop()
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +159,10 @@ def test_the_reference_run_really_clips(reference):
     assert losses[-1] < losses[0] - 0.5, "the GPT learns"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("name", ["dp4", "nodes"])
-def test_ten_clipped_steps_on_any_mesh_and_across_two_agents_follow_one_process(runs, reference, name):
-    first, losses = runs.losses(name)
+def test_ten_clipped_steps_on_any_mesh_and_across_two_agents_follow_one_process(wide_runs, reference, name):
+    first, losses = wide_runs.losses(name)
     assert first == 0 and losses == pytest.approx(reference[0], rel=1e-5)
 
 
@@ -158,9 +171,9 @@ def test_ten_clipped_steps_on_dp2_pp2_follow_one_process_across_a_restart(runs, 
     assert runs.printed_losses("dp2pp2") == pytest.approx(reference[0], rel=1e-5)  # printed to 6 digits
 
 
-@pytest.mark.slow
-def test_two_agents_joined_by_c10d_rendezvous_report_their_nodes_and_dp_time(runs):
-    log = runs.logs["node0"] + runs.logs["node1"]
+@pytest.mark.long
+def test_two_agents_joined_by_c10d_rendezvous_report_their_nodes_and_dp_time(wide_runs):
+    log = wide_runs.logs["node0"] + wide_runs.logs["node1"]
     assert "2 replicas (fsdp)" in log
     assert re.search(r"^nodes\s+1: \S+: ranks 0, 1$", log, re.M), log
     assert re.search(r"dp gradient sums \d+\.\d%", log), log
@@ -185,7 +198,7 @@ def test_a_rank_killed_in_a_2d_run_is_restarted_and_resumes_from_the_checkpoint(
 @pytest.mark.slow
 def test_a_2d_checkpoint_holds_the_whole_model_trained_on_any_mesh(runs):
     sharded, run = checkpoint.load_full_model(runs.tmp / "dp2pp2" / "step_000010")
-    replicated, _ = checkpoint.load_full_model(runs.tmp / "dp4" / "step_000010")
-    assert run["stages"] == 2 and run["replicas"] == 2
-    assert sharded.keys() == replicated.keys()
-    assert all(torch.allclose(sharded[key], replicated[key], atol=1e-5) for key in sharded)
+    staged, other = checkpoint.load_full_model(runs.tmp / "to_dp1pp4" / "step_000010")
+    assert (run["stages"], run["replicas"], other["stages"], other["replicas"]) == (2, 2, 4, 1)
+    assert sharded.keys() == staged.keys()
+    assert all(torch.allclose(sharded[key], staged[key], atol=1e-5) for key in sharded)
