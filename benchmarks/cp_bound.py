@@ -62,6 +62,18 @@ def largest_floor(points: list[tuple[float, float]], error: float = TARGET, spre
     return low
 
 
+def least_spread(points: list[tuple[float, float]], floor: float, error: float = TARGET) -> float:
+    """The least ``spread`` (`smallest_error`'s) at which some line with ``a >= floor`` comes within
+    ``error`` of every point."""
+    low, high = 0.0, max(1.0 / rate for _, rate in points)
+    if _line(points, floor, error, low) is not None:
+        return 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (low, middle) if _line(points, floor, error, middle) is not None else (middle, high)
+    return high
+
+
 def _line(points: list[tuple[float, float]], floor: float, error: float,
           spread: float) -> tuple[float, float] | None:  # fmt: skip
     """A line (a, b) within ``error`` of every point with ``a >= floor``, ``b >= 0``, or None.
@@ -144,6 +156,9 @@ def report(table: list, values: dict | None = None) -> str:
         critical = largest_floor(points, TARGET, slope)
         within = (f"within {TARGET:.0%} needs a <= {critical * 1e6:,.1f} us" if critical == critical else
                   f"with any a >= 0: {smallest_error(points, 0.0, slope).error:.1%}")  # fmt: skip
+        if bound.error > TARGET:
+            needed = least_spread(points, fixed)
+            within += f", or {needed * 1e6:,.1f} us a cp rank ({needed / slope:.1f} times)"
         lines.append(
             f"{source} cp {', '.join(str(int(x)) for x, _ in points)}: published "
             f"{', '.join(f'{1e6 / rate:,.0f}' for _, rate in points)} us a token; any a + b x cp, a at "

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.cp_bound import largest_floor, same_figure, smallest_error
+from benchmarks.cp_bound import largest_floor, least_spread, same_figure, smallest_error
 
 
 def rates(*times):
@@ -59,3 +59,13 @@ def test_one_figure_for_two_is_their_harmonic_mean_off_both_alike():
 def test_bad_points_are_refused():
     with pytest.raises(ValueError, match="points"):
         smallest_error([(0, 1.0)], floor=0.0)
+
+
+def test_the_least_spread_that_meets_the_points():
+    # times 1 at x = 1 and 3 at x = 3 with a >= 1: b = 0 and a spread of 1 a unit past the first meets
+    # both exactly; within 10 %, the line climbs most with a = 1, b = 1 / 0.9 - 1, and the spread makes
+    # up the rest of 3 / 1.1 at x = 3 over the 2 units past the first
+    points = rates((1, 1.0), (3, 3.0))
+    assert least_spread(points, floor=1.0, error=1e-9) == pytest.approx(1.0, rel=1e-6)
+    highest = 1 + 3 * (1 / 0.9 - 1)
+    assert least_spread(points, floor=1.0) == pytest.approx((3 / 1.1 - highest) / 2, rel=1e-6)
