@@ -48,3 +48,15 @@ def test_the_exchanges_buffers_add_to_the_rebuilt_layer_not_to_the_heads_backwar
     assert small[1] - small[0] == pytest.approx(exchange)  # the rebuilt layer is the larger: added
     large = [gpu_memory(GQA, config(cp), job, software).working for cp, job in ((1, whole), (2, split))]
     assert large[1] == pytest.approx(large[0])  # a 128,256-word head's backward is larger still: unchanged
+
+
+def test_torchtitans_context_parallel_rows_are_predicted_within_10_percent_of_their_published_memory():
+    """Tables 2 and 6 of torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, cp 2 to 8."""
+    from benchmarks.cluster_check import errors, predict, titan_rows
+
+    rows = [row for row in titan_rows() if row.fixed.get("cp", 1) > 1]
+    assert len(rows) == 6
+    for row in rows:
+        row.predicted = predict(row)
+        memory = errors(row)[1]
+        assert abs(memory) <= 0.10, f"{row.source} {row.name}: {memory:+.1%}"
