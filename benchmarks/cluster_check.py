@@ -30,7 +30,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks import published_a100, published_h100, published_zero3
+from benchmarks import cp_bound, published_a100, published_h100, published_zero3
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         print("fitted:", json.dumps(values, indent=2))
     for row in table:
         row.predicted = predict(row, values)
-    text = f"{markdown(table)}\n\n{summary(table)}"
+    text = f"{markdown(table)}\n\n{summary(table)}\n\n{cp_bound.report(table, values)}"
     print(text)
     print(f"({time.perf_counter() - started:.0f} s)")
     (RESULTS / "cluster_check.md").write_text(f"# The cluster planner against published runs\n\n{text}\n")

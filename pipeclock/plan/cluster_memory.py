@@ -10,8 +10,9 @@
 - activations: the micro-batches each rank holds at once under its schedule (read off the schedule's
   own order of actions: from a micro-batch's F until its last backward), times what a micro-batch keeps
   on the rank's stages (`pipeclock.plan.activations`); the head's on the rank holding the last stage;
-- working memory: the larger of the head's backward (the logits' gradient) and, under full recompute,
-  one layer's forward rebuilt; plus the receive buffers of the next activation and gradient;
+- working memory: the larger of the head's backward (the logits' gradient) and one layer's backward,
+  what context parallel holds there (`context_parallel.working_bytes`) with, under full recompute, the
+  layer's forward rebuilt; plus the receive buffers of the next activation and gradient;
 - an allowance for what the allocator reserves beyond what is allocated (``ALLOCATOR_SLACK``) and for
   the CUDA context, the collectives' buffers and the library workspaces (``RUNTIME_BYTES``).
 
@@ -194,8 +195,8 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8, gathered))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
     messages = 2.0 * model.hidden * a / (tp if sp else 1)
-    exchange = context_parallel.working_bytes(model, config, job, software)  # cp's keys and values
-    working = (max(rebuild, head) + messages) * tokens + exchange
+    exchange = context_parallel.working_bytes(model, config, job, software)  # a layer's backward's, with
+    working = max(rebuild * tokens + exchange, head * tokens) + messages * tokens  # its rebuilt forward
     return GpuMemory(weights, gradients, optimizer, kept, working)
 
 

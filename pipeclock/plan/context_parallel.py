@@ -127,12 +127,28 @@ def merge_seconds(model: PaperModel, config: Config, job: Job, software: Softwar
 
 
 def working_bytes(model: PaperModel, config: Config, job: Job, software: Software) -> float:
-    """What the exchange holds beyond the activations at its peak: the whole sequence's keys and values
-    of one layer after an all-gather, two blocks (the one in use, the one arriving) in a ring."""
+    """What the exchange holds beyond the activations at its peak, in one layer's backward: the whole
+    sequence's keys and values after an all-gather (a ring: two blocks); under torch's all-gather also
+    what its backward holds at once (`backward_bytes`)."""
     if config.cp == 1 or model.kind == "mlp":
         return 0.0
     block = block_bytes(model, config, job, software)
-    return (config.cp if software.cp_exchange != "ring" else 2) * block
+    if software.cp_exchange == "ring":
+        return 2 * block
+    extra = backward_bytes(model, config, job, software) if software.cp_exchange == "all-gather" else 0.0
+    return config.cp * block + extra
+
+
+def backward_bytes(model: PaperModel, config: Config, job: Job, software: Software) -> float:
+    """torch's ring backward's own buffers beside the gathered keys and values, all alive at its
+    ``torch.cat`` of the gradients for the next send (``_templated_ring_attention_backward``): the local
+    keys and values concatenated for the rotation (a block), their fp32 gradients three times (the one
+    received, the one updated, the one concatenated to send), the kernel's block gradients of keys and
+    values (a block) and of the queries, and the queries' fp32 gradient."""
+    a = software.activation_bytes
+    block = block_bytes(model, config, job, software)
+    queries = local_tokens(config, job) * model.q_dim / config.tp  # elements
+    return block * (2 + 3 * GRADIENT_BYTES / a) + queries * (a + GRADIENT_BYTES)
 
 
 def refusal(model: PaperModel, job: Job, fixed: dict) -> str | None:
