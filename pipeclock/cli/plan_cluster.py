@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeclock.cli.search_progress import SearchProgress
@@ -41,6 +42,67 @@ DEFAULT_SEQ_LEN = 4096
 LARGEST_CLUSTER_TRIED = 2**16
 
 
+@dataclass(frozen=True)
+class SoftwareFlag:
+    """A flag for one `Software` field: on or off (``choices`` None), or one of ``choices`` (None when not
+    given, so that the field keeps `Software`'s default and a command without ``--cluster`` can tell)."""
+
+    flag: str
+    field: str
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+# How the run computes, in the help's order; --dtype, shared with the measured planner, is not among them
+SOFTWARE_FLAGS = (
+    SoftwareFlag(
+        "--fused", "fused",
+        "--cluster: elementwise operations fused (torch.compile, fused kernels) instead of eager",
+    ),
+    SoftwareFlag(
+        "--tp-overlap", "tp_overlap",
+        "--cluster: tensor parallel's collectives overlapped with the products (AsyncTP)",
+    ),
+    SoftwareFlag(
+        "--gradients", "gradients",
+        "--cluster: what the framework keeps of each gradient: fp32 (Megatron-LM, FSDP; the default), "
+        "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
+        tuple(GRADIENTS),
+    ),
+    SoftwareFlag(
+        "--fp8-keeps", "fp8",
+        "--cluster --dtype fp8: what the fp8 products keep: bf16 inputs and weights (torchao's "
+        "Float8, the default), fp8 inputs and fp8 weight copies beside bf16 weights (Transformer "
+        "Engine), or fp8 inputs and fp8 weights (Transformer Engine with fp8 parameters)",
+        FP8_KEEPS,
+    ),
+    SoftwareFlag(
+        "--attention", "attention",
+        "--cluster: the attention core's kernel: flash (a flash-style kernel; the default), or "
+        "materialized (the score matrix through memory, as runs before FlashAttention did)",
+        ATTENTION_KERNELS,
+    ),
+    SoftwareFlag(
+        "--tp-backward-overlap", "tp_backward_overlap",
+        "--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
+        "async all-reduce)",
+    ),
+    SoftwareFlag(
+        "--deepspeed", "deepspeed",
+        "--cluster: a DeepSpeed run (its pipeline engine, its ZeRO): its products at the share of "
+        "Megatron-LM's speed that published runs show (docs/cluster.md)",
+    ),
+    SoftwareFlag(
+        "--cp-exchange", "cp_exchange",
+        "--cluster: how context parallel (--fix cp=N) exchanges keys and values: torch's all-gather "
+        "(the default), Megatron-Core's ring, or an all-gather left exposed (Meta's Llama 3)",
+        CP_EXCHANGES,
+    ),
+)  # fmt: skip
+# The cluster's other options, before the software's in the help and in the refusal without --cluster
+CLUSTER_ONLY = ("--gpu-spec", "--global-batch", "--fix", "--json")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The cluster options, in a group of their own in the plan command's help."""
     group = parser.add_argument_group("a cluster, on paper")
@@ -60,58 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "searched",
     )  # fmt: skip
     group.add_argument("--json", action="store_true", help="--cluster: print the configuration(s) as JSON")
-    group.add_argument(
-        "--fused", action="store_true",
-        help="--cluster: elementwise operations fused (torch.compile, fused kernels) instead of eager",
-    )  # fmt: skip
-    group.add_argument(
-        "--tp-overlap", action="store_true",
-        help="--cluster: tensor parallel's collectives overlapped with the products (AsyncTP)",
-    )  # fmt: skip
-    group.add_argument(
-        "--gradients", choices=list(GRADIENTS), default=None,
-        help="--cluster: what the framework keeps of each gradient: fp32 (Megatron-LM, FSDP; the default), "
-        "or bf16 beside an fp32 buffer (DeepSpeed's BF16_Optimizer)",
-    )  # fmt: skip
-    group.add_argument(
-        "--fp8-keeps", choices=list(FP8_KEEPS), default=None,
-        help="--cluster --dtype fp8: what the fp8 products keep: bf16 inputs and weights (torchao's "
-        "Float8, the default), fp8 inputs and fp8 weight copies beside bf16 weights (Transformer "
-        "Engine), or fp8 inputs and fp8 weights (Transformer Engine with fp8 parameters)",
-    )  # fmt: skip
-    group.add_argument(
-        "--attention", choices=list(ATTENTION_KERNELS), default=None,
-        help="--cluster: the attention core's kernel: flash (a flash-style kernel; the default), or "
-        "materialized (the score matrix through memory, as runs before FlashAttention did)",
-    )  # fmt: skip
-    group.add_argument(
-        "--tp-backward-overlap", action="store_true",
-        help="--cluster: the backward's tp collective runs under the weight gradients (Megatron-LM's "
-        "async all-reduce)",
-    )  # fmt: skip
-    group.add_argument(
-        "--deepspeed", action="store_true",
-        help="--cluster: a DeepSpeed run (its pipeline engine, its ZeRO): its products at the share of "
-        "Megatron-LM's speed that published runs show (docs/cluster.md)",
-    )  # fmt: skip
-    group.add_argument(
-        "--cp-exchange", choices=list(CP_EXCHANGES), default=None,
-        help="--cluster: how context parallel (--fix cp=N) exchanges keys and values: torch's all-gather "
-        "(the default), Megatron-Core's ring, or an all-gather left exposed (Meta's Llama 3)",
-    )  # fmt: skip
+    for option in SOFTWARE_FLAGS:
+        takes = {"action": "store_true"} if option.choices is None else {"choices": list(option.choices)}
+        group.add_argument(option.flag, **takes, help=option.help)
 
 
 def refuse_without_cluster(args: argparse.Namespace) -> None:
     """The cluster's own options mean nothing to the measured planner: one line says so."""
-    for option, given in (("--gpu-spec", args.gpu_spec), ("--global-batch", args.global_batch),
-                          ("--fix", args.fix), ("--json", args.json), ("--fused", args.fused),
-                          ("--tp-overlap", args.tp_overlap), ("--gradients", args.gradients),
-                          ("--fp8-keeps", args.fp8_keeps),
-                          ("--attention", args.attention),
-                          ("--tp-backward-overlap", args.tp_backward_overlap),
-                          ("--deepspeed", args.deepspeed), ("--cp-exchange", args.cp_exchange)):  # fmt: skip
-        if given:
-            raise ValueError(f"{option} plans a cluster on paper: give --cluster NxKIND too")
+    for flag in (*CLUSTER_ONLY, *(option.flag for option in SOFTWARE_FLAGS)):
+        if getattr(args, _dest(flag)):
+            raise ValueError(f"{flag} plans a cluster on paper: give --cluster NxKIND too")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,11 +142,7 @@ def run(args: argparse.Namespace) -> int:
     job = Job(_global_batch(args, model, seq_len), seq_len)
     if args.fp8_keeps and args.dtype != "fp8":
         raise ValueError("--fp8-keeps says what fp8 products keep: give --dtype fp8 too")
-    software = Software(args.dtype or "bf16", args.fused, args.tp_overlap, gradients=args.gradients or "fp32",
-                        tp_backward_overlap=args.tp_backward_overlap, deepspeed=args.deepspeed,
-                        fp8=args.fp8_keeps or "torchao",
-                        cp_exchange=args.cp_exchange or "all-gather",
-                        attention=args.attention or "flash")  # fmt: skip
+    software = software_from(args)
     cluster.kind.peak(software.dtype)  # a card without fp8 refuses it here
     fixed = parse_fix(args.fix) if args.fix else {}
     started = time.perf_counter()
@@ -156,6 +172,17 @@ def run(args: argparse.Namespace) -> int:
     print(report.why(result.ranked))
     print(report.memory_line(result.ranked[0]))
     return 0
+
+
+def software_from(args: argparse.Namespace) -> Software:
+    """The `Software` the flags describe; a flag not given leaves its field at `Software`'s default."""
+    given = ((option.field, getattr(args, _dest(option.flag))) for option in SOFTWARE_FLAGS)
+    return Software(args.dtype or "bf16", **{field: value for field, value in given if value is not None})
+
+
+def _dest(flag: str) -> str:
+    """The attribute argparse keeps a flag's value in: ``--fp8-keeps`` in ``fp8_keeps``."""
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def model_from(args: argparse.Namespace) -> tuple[PaperModel, int]:

@@ -41,33 +41,21 @@ ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)
 
 @dataclass(frozen=True)
 class Software:
-    """How the run computes, the same for every configuration of a search.
+    """How the run computes, the same for every configuration of a search:
 
-    ``dtype``: fp32, bf16 (autocast over fp32 master weights), or fp8 (the Linear layers' products in
-    float8, the rest bf16). ``fused``: the elementwise operations fused into few kernels (torch.compile,
-    or a framework's fused kernels), else run one by one as eager PyTorch runs them. ``tp_overlap``: tensor
-    parallel's collectives overlapped with the matrix products (torchtitan's AsyncTP, Megatron-LM's
-    ``--tp-comm-overlap``); plain ``parallelize_module`` waits for them. ``attention``: a flash-style
-    kernel, or the score matrix materialized as runs before 2023 did (`pipeclock.plan.attention_core`).
-    ``gradients``: what the framework keeps of each gradient (`GRADIENTS`).
-    ``tp_backward_overlap``: the backward's collective of each column-parallel product's input gradient
-    (all-reduce, or with sequence parallel reduce-scatter) runs while that product's weight gradient
-    computes, as Megatron-LM does by default since September 2021 (``--no-async-tensor-model-parallel-
-    allreduce`` turns it off); hidden up to those weight gradients' time.
-    ``deepspeed``: a DeepSpeed run, whose products reach ``calibration.DEEPSPEED_SHARE`` of the speed the
-    others' reach. ``fp8``: what an fp8 run keeps of its products' operands (`FP8_KEEPS`).
-    ``cp_exchange``: how context parallel's ranks exchange keys and values
-    (`CP_EXCHANGES`); ``repeat_kv``: the model repeats grouped-query attention's key and value heads to
-    the query heads before attention (torchtitan's Llama of 2024, ``repeat_kv`` before
-    ``scaled_dot_product_attention``), so that context parallel moves keys and values as wide as the
-    queries. ``tp_gathered_inputs``: under sequence parallel, the column-parallel products keep
-    their inputs gathered over the sequence for the backward, as torch's ``ColwiseParallel`` (torchtitan)
-    does, where Megatron-LM keeps the shard and gathers it again (`pipeclock.plan.activations`); under
-    fp8 the blocks' in float8 (torchao's ``Float8ColwiseParallel`` gathers them cast), the head's in bf16
-    (torchtitan leaves its output layer out of float8). ``recompute_stops_early``: a full recompute
-    stops at the last tensor the backward reads, as torch's non-reentrant checkpoint and torch.compile
-    do (torchtitan), so the block's last product and its collective do not run again
-    (`pipeclock.plan.recompute_tail`)."""
+    - ``dtype``: "fp32", "bf16" (autocast over fp32 master weights) or "fp8" (the Linear products; rest bf16)
+    - ``fused``: elementwise operations fused (torch.compile, fused kernels), or one by one as eager runs them
+    - ``tp_overlap``: tp's collectives overlapped with the products (AsyncTP, ``--tp-comm-overlap``), or not
+    - ``attention``: the attention core's kernel: "flash" or "materialized" (`pipeclock.plan.attention_core`)
+    - ``gradients``: what the framework keeps of each gradient: "fp32" or "bf16+fp32" (`GRADIENTS`)
+    - ``tp_backward_overlap``: the backward's tp collective runs under the weight gradients (Megatron-LM's)
+    - ``deepspeed``: a DeepSpeed run: its products at ``calibration.DEEPSPEED_SHARE`` of the others' speed
+    - ``fp8``: what an fp8 run's products keep: "torchao", "te" or "te-fp8-params" (`FP8_KEEPS`)
+    - ``cp_exchange``: cp's exchange of keys and values: "all-gather", "ring" or "all-gather-exposed"
+    - ``repeat_kv``: key and value heads repeated to the query heads before attention, and so moved by cp
+    - ``tp_gathered_inputs``: under sp, column-parallel products keep inputs gathered (`plan.activations`)
+    - ``recompute_stops_early``: a full recompute stops at the backward's last read (`plan.recompute_tail`)
+    """
 
     dtype: str = "bf16"
     fused: bool = False

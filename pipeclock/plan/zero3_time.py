@@ -45,31 +45,33 @@ class Unit:
 
 def forward_exposed(units: Sequence[Unit]) -> float:
     """Seconds the forward pass over ``units`` (in order) waits for gathers, beyond its compute."""
-    link = units[0].gather  # the first gather: nothing to hide behind
-    ready, clock = link, 0.0
-    for index, unit in enumerate(units):
-        start = max(clock, ready)
-        if index + 1 < len(units):  # prefetch the next unit as this one starts
-            link = max(link, start) + units[index + 1].gather
-            ready = link
-        clock = start + unit.forward
-    return clock - sum(unit.forward for unit in units)
+    return pass_exposed(units, backward=False)
 
 
 def backward_exposed(units: Sequence[Unit]) -> float:
     """Seconds the backward pass over ``units`` (taken last to first) waits for gathers and for its
     reduce-scatters to finish, beyond its compute."""
-    order = list(reversed(units))
-    link = order[0].backward_gather
+    return pass_exposed(units, backward=True)
+
+
+def pass_exposed(units: Sequence[Unit], backward: bool) -> float:
+    """Seconds one pass over ``units`` waits on the link beyond its compute. The two passes differ in three
+    things: the backward takes the units last to first, gathers ``backward_gather`` (the forward
+    ``gather``), and queues each unit's reduce-scatter once its backward is done."""
+    order = list(reversed(units)) if backward else list(units)
+    gathers = [unit.backward_gather if backward else unit.gather for unit in order]
+    computes = [unit.backward if backward else unit.forward for unit in order]
+    link = gathers[0]  # the first gather: nothing to hide behind
     ready, clock = link, 0.0
-    for index, unit in enumerate(order):
+    for index, compute in enumerate(computes):
         start = max(clock, ready)
-        if index + 1 < len(order):
-            link = max(link, start) + order[index + 1].backward_gather
+        if index + 1 < len(order):  # prefetch the next unit as this one starts
+            link = max(link, start) + gathers[index + 1]
             ready = link
-        clock = start + unit.backward
-        link = max(link, clock) + unit.reduce  # its gradients leave once its backward is done
-    return max(clock, link) - sum(unit.backward for unit in order)
+        clock = start + compute
+        if backward:  # its gradients leave once its backward is done
+            link = max(link, clock) + order[index].reduce
+    return max(clock, link) - sum(computes)
 
 
 def microbatch_exposed(units: Sequence[Unit]) -> float:
