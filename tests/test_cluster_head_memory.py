@@ -12,6 +12,7 @@ import pytest
 
 from pipeclock.plan.activations import head_backward_bytes
 from pipeclock.plan.paper_model import PaperModel
+from tests.distributed import free_port
 
 PROBE = r"""
 import gc, os, sys, torch, torch.distributed as dist
@@ -65,7 +66,8 @@ MODEL = PaperModel("test", layers=2, hidden=64, heads=4, kv_heads=4, head_dim=16
 
 def measured() -> dict[str, tuple[float, float]]:
     """Bytes per logit kept after the loss's forward, and at its backward's peak: plain, and parallel."""
-    out = subprocess.run([sys.executable, "-c", PROBE, "29611"], capture_output=True, text=True, check=True,
+    probe = [sys.executable, "-c", PROBE, str(free_port())]
+    out = subprocess.run(probe, capture_output=True, text=True, check=True,
                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})  # fmt: skip
     plain, parallel = (tuple(float(x) for x in line.split()) for line in out.stdout.splitlines())
     return {"plain": plain, "parallel": parallel}
