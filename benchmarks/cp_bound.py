@@ -179,7 +179,7 @@ def report(table: list, values: dict | None = None) -> str:
 
 
 def main() -> None:
-    from benchmarks.cluster_check import titan_rows
+    from benchmarks.published_2024 import titan_rows
 
     print(report(titan_rows()))
 

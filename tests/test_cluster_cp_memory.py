@@ -52,7 +52,8 @@ def test_the_exchanges_buffers_add_to_the_rebuilt_layer_not_to_the_heads_backwar
 
 def test_torchtitans_context_parallel_rows_are_predicted_within_10_percent_of_their_published_memory():
     """Tables 2 and 6 of torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, cp 2 to 8."""
-    from benchmarks.cluster_check import errors, predict, titan_rows
+    from benchmarks.cluster_check import errors, predict
+    from benchmarks.published_2024 import titan_rows
 
     rows = [row for row in titan_rows() if row.fixed.get("cp", 1) > 1]
     assert len(rows) == 6
