@@ -123,23 +123,32 @@ def _held(
     last = placement.num_virtual - 1
     result = []
     for rank, actions in enumerate(table):
-        live, live_last, live_layers, most, most_last, most_layers = 0, 0, 0, 0, 0, 0
-        weight = layers[rank] if layers is not None else (1,) * len(placement.stages[rank])
+        live, live_last, most, most_last = 0, 0, 0, 0
         chunks_last = {c for c in range(len(placement.stages[rank])) if placement.stage(rank, c) == last}
         backward_done = {(a.microbatch, a.chunk): i for i, a in enumerate(actions) if a.op in ("B", "W")}
         for index, action in enumerate(actions):
             if action.op == "F":
                 live += 1
                 live_last += action.chunk in chunks_last
-                live_layers += weight[action.chunk]
                 most, most_last = max(most, live), max(most_last, live_last)
-                most_layers = max(most_layers, live_layers)
             elif backward_done.get((action.microbatch, action.chunk)) == index:
                 live -= 1
                 live_last -= action.chunk in chunks_last
-                live_layers -= weight[action.chunk]
-        result.append((most, most_last, most_layers))
+        blocks = most if layers is None else _most_blocks(actions, backward_done, layers[rank])
+        result.append((most, most_last, blocks))
     return tuple(result)
+
+
+def _most_blocks(actions, backward_done: dict, weight: tuple[int, ...]) -> int:
+    """The most blocks' activations one rank holds at once, chunk c holding ``weight[c]`` blocks."""
+    live = most = 0
+    for index, action in enumerate(actions):
+        if action.op == "F":
+            live += weight[action.chunk]
+            most = max(most, live)
+        elif backward_done.get((action.microbatch, action.chunk)) == index:
+            live -= weight[action.chunk]
+    return most
 
 
 def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) -> GpuMemory:
