@@ -4,8 +4,13 @@ Sources, every figure quoted as printed:
 
 - Meta, "The Llama 3 Herd of Models" (arXiv 2407.21783v3), §3.3 and Table 4: Llama 3 405B on 8,192 and
   16,384 H100 SXMs (700 W, 80 GB HBM3, 8 a server on NVLink, 400 Gb/s RoCE), bf16, tp 8 x pp 16 x dp 64
-  (32 sequences of 8,192 tokens per dp rank) and x dp 128 (16 per rank), the interleaved schedule, FSDP
-  sharding the optimizer and gradients, "sequences of 8K tokens without activation checkpointing";
+  (32 sequences of 8,192 tokens per dp rank) and x dp 128 (16 per rank), the interleaved schedule,
+  "sequences of 8K tokens without activation checkpointing"; §3.3.2: "Our use of FSDP for Llama 3 shards
+  optimizer states and gradients, but for model shards we do not reshard after forward computation" (torch's
+  ``SHARD_GRAD_OP``, ``torch/distributed/fsdp/api.py``: ``zero=2``), and "we reduce one Transformer layer
+  each from the first and the last stages ... the first model chunk on the first stage has only the
+  embedding, and the last model chunk on the last stage has only output projection and loss calculation"
+  (``ends=slot``; for 126 layers on pp 16, one layer a chunk: V = 8, which the search picks);
   TFLOP/s per GPU 430 and 400 (BF16 MFU 43 % and 41 %, MFU as PaLM counts it: the whole attention square,
   as `PaperModel.model_flops_per_token`). Table 4's third row: 16,384 GPUs, tp 8, cp 16, pp 16, 16
   sequences of 131,072 tokens per dp rank, 16M tokens a batch, 380 TFLOP/s; it prints DP 4, which makes
@@ -45,11 +50,15 @@ Sources, every figure quoted as printed:
   must recompute (-8 %).
 
 What a source does not state (recompute and ZeRO stage of NeMo's other runs, sequence parallel, the
-micro-batch of Meta's runs and the chunks of its interleaving) is left to the search. Overlapping tensor
-parallel's collectives is stated in no table: NVIDIA's runs are taken as overlapped (Megatron-Core's
-``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g. Megatron-Bridge's
-``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with ``--tp-overlap`` the
-planner reads them 3 % and 1 % faster).
+micro-batch of Meta's runs and the chunks of its interleaving) is left to the search. Meta's N (micro-batches
+a round, §3.3.2: tunable) is not stated for these runs; the published orders that take it (Megatron-LM's
+``megatron/core/pipeline_parallel/schedules.py`` at 00611e6e, N in [PP, M]; torch's
+``ScheduleInterleaved1F1B``, N = M / max(1, M // PP)) give N = PP = 16 here, the planner's rounds.
+Meta's cp row keeps ``zero=3`` and the ends riding with their stages, as before (docs/cluster.md).
+Overlapping tensor parallel's collectives is stated in no table: NVIDIA's runs are taken as overlapped
+(Megatron-Core's ``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g.
+Megatron-Bridge's ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with
+``--tp-overlap`` the planner reads them 8 % faster).
 """
 
 from __future__ import annotations
@@ -115,7 +124,8 @@ def rows() -> list:
     result = []
     llama = paper_model(read_config(CONFIGS / "llama-3.1-405b.json"), "Llama 3 405B")
     for gpus, tp, pp, dp, per_rank, tflops, role in META_ROWS:
-        fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},zero=3,recompute=none,schedule=interleaved-1f1b")
+        metas = "zero=2,recompute=none,schedule=interleaved-1f1b,ends=slot"  # its FSDP, its pipeline's ends
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},{metas}")
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
                           Job(dp * per_rank, META_SEQ), Software("bf16", True, False), fixed, None, tflops,
                           None, role))  # fmt: skip

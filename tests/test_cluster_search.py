@@ -94,6 +94,7 @@ def test_costs_cached_for_one_expert_parallel_degree_are_not_read_for_another():
         {"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2, "recompute": "full", "zero": 1},
         {"tp": 4, "sp": True, "recompute": "selective-op", "zero": 3},
         {"pp": 2, "schedule": "dualpipev"},
+        {"pp": 4, "schedule": "interleaved-1f1b", "chunks": 2, "ends": "slot"},
     ],
 )
 def test_fix_honours_every_fixed_knob(fixed):
@@ -182,6 +183,13 @@ def test_a_long_step_holds_what_its_settled_rounds_hold(schedule):
             except ValueError:
                 continue
             assert held_microbatches(schedule, pp, m, chunks) == long
+            # the blocks held, with the ends in slots: the first and the last chunks a block fewer
+            uneven = [[2] * chunks for _ in range(pp)]
+            uneven[0][0], uneven[-1 if schedule not in ("zb-v", "dualpipev") else 0][-1] = 1, 1
+            layers = tuple(map(tuple, uneven))
+            assert held_microbatches(schedule, pp, m, chunks, layers) == _held(
+                schedule, pp, m, chunks, layers
+            )
 
 
 def test_the_cached_program_simulates_as_the_simulator_does():

@@ -24,6 +24,7 @@ from pipeclock.plan import cluster_report as report
 from pipeclock.plan.cluster_config import (
     ATTENTION_KERNELS,
     CP_EXCHANGES,
+    ENDS,
     FP8_KEEPS,
     GRADIENTS,
     RECOMPUTES,
@@ -252,6 +253,11 @@ def _fixed_value(knob: str, value: str):
             raise ValueError(f"--fix recompute={value} is two policies now: {RETIRED_RECOMPUTES[value]}")
         if value not in RECOMPUTES:
             raise ValueError(f"--fix recompute={value}: use {', '.join(RECOMPUTES)}")
+        return value
+    if knob == "ends":
+        if value not in ENDS:
+            raise ValueError(f"--fix ends={value}: use ride (the embedding and the head with the first and "
+                             "last blocks) or slot (a block's slot each, Meta's Llama 3)")  # fmt: skip
         return value
     if knob == "sp":
         if value not in ("on", "off"):

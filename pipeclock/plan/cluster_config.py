@@ -37,6 +37,10 @@ GRADIENTS = {"fp32": 4, "bf16+fp32": 6}
 # Megatron-Core's --fp8-param-gather, NeMo's fp8_params), the fp32 masters staying with the optimizer.
 FP8_KEEPS = ("torchao", "te", "te-fp8-params")
 ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)"}
+# Where the embedding and the head go in the pipeline's cut (`Config.ends`): riding with the first and the
+# last blocks' stages, or each in a block's slot of its own, so that the first and the last stages hold a
+# block fewer (Meta's Llama 3, arXiv 2407.21783 section 3.3.2)
+ENDS = ("ride", "slot")
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,11 @@ class Config:
     stage: 0 replicates everything, 1 shards the optimizer state, 2 the gradients too, 3 the weights
     too) and sequence parallel (tensor parallel's norms and residuals split over the tokens). ``cp``:
     context parallel, each sequence's tokens split over cp ranks that hold the same weights
-    (`pipeclock.plan.context_parallel`); the data-parallel group that reduces and shards is dp x cp."""
+    (`pipeclock.plan.context_parallel`); the data-parallel group that reduces and shards is dp x cp.
+    ``ends``: the embedding and the head ride with the first and the last stages (``ride``), or take a
+    block's slot each in the cut (``slot``: the blocks and the two ends cut evenly, so the first and the
+    last stages hold a block fewer; with one block a virtual stage, the first holds the embedding alone
+    and the last the head and the loss alone, as Meta's Llama 3 pipeline does)."""
 
     tp: int
     pp: int
@@ -131,6 +139,7 @@ class Config:
     sequence_parallel: bool
     ep: int = 1  # expert parallel: each MoE layer's experts over ep of the dp ranks (`plan.experts`)
     cp: int = 1
+    ends: str = "ride"
 
     @property
     def gpus(self) -> int:
@@ -148,8 +157,9 @@ class Config:
         sp = "+sp" if self.sequence_parallel else ""
         ep = f" (ep {self.ep})" if self.ep > 1 else ""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        ends = ", ends in slots" if self.ends == "slot" else ""
         return (
             f"tp {self.tp}{sp}{cp} x pp {self.pp} x dp {self.dp}{ep}, {schedule}, "
             f"mbs {self.microbatch_size} x m {self.microbatches}, recompute {self.recompute}, "
-            f"{ZERO_WORDS[self.zero]}"
+            f"{ZERO_WORDS[self.zero]}{ends}"
         )

@@ -65,14 +65,23 @@ class GpuMemory:
 
 
 def stage_layers(model: PaperModel, config: Config) -> list[range]:
-    """The layers of each virtual stage: the blocks cut evenly (`partition`); the embedding rides with
-    the first stage and the head with the last."""
-    return _cut(model.layers, config.pp * config.chunks)
+    """The layers of each virtual stage: the blocks cut evenly (`partition`); the embedding is on the
+    first stage and the head on the last, riding with their blocks or, ``config.ends == "slot"``, in a
+    block's slot each (the first and the last stages a block fewer; either may hold no block)."""
+    return _cut(model.layers, config.pp * config.chunks, config.ends == "slot")
 
 
 @functools.lru_cache(maxsize=4096)
-def _cut(layers: int, stages: int) -> list[range]:
-    return partition(layers, stages)
+def _cut(layers: int, stages: int, ends_in_slots: bool = False) -> list[range]:
+    if not ends_in_slots:
+        return partition(layers, stages)
+    slots = partition(layers + 2, stages)  # slot 0 the embedding, slot layers + 1 the head
+    return [range(max(0, s.start - 1), min(layers, s.stop - 1)) for s in slots]
+
+
+def most_virtual_stages(model: PaperModel, ends: str = "ride") -> int:
+    """The most virtual stages a cut allows: one block each, and with the ends in slots, one end each."""
+    return model.layers + (2 if ends == "slot" else 0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -84,26 +93,32 @@ def placement_for(schedule: str, pp: int, chunks: int) -> Placement:
 
 
 @functools.lru_cache(maxsize=4096)
-def held_microbatches(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    """Per rank: the most (micro-batch, stage) pairs it holds at once, and the most of them on the last
-    virtual stage (whose head keeps the logits); from the schedule's own order of actions.
+def held_microbatches(
+    schedule: str, pp: int, microbatches: int, chunks: int, layers: tuple[tuple[int, ...], ...] | None = None
+) -> tuple[tuple[int, int, int], ...]:
+    """Per rank: the most (micro-batch, stage) pairs it holds at once, the most of them on the last
+    virtual stage (whose head keeps the logits), and the most blocks' activations it holds at once, with
+    ``layers[rank][chunk]`` blocks in each of its chunks (None: one each); from the schedule's own order
+    of actions.
 
     A schedule that bounds what it holds reaches its bound after a few rounds of warm-up: when the
     counts at ``HELD_SETTLED`` rounds and twice that agree, they hold for any longer step too (a test
     checks it on every schedule), and a long step is not generated."""
     settled = HELD_SETTLED * pp * chunks
     if microbatches > 2 * settled:
-        short = _held(schedule, pp, settled, chunks)
-        if short == _held(schedule, pp, 2 * settled, chunks):
+        short = _held(schedule, pp, settled, chunks, layers)
+        if short == _held(schedule, pp, 2 * settled, chunks, layers):
             return short
-    return _held(schedule, pp, microbatches, chunks)
+    return _held(schedule, pp, microbatches, chunks, layers)
 
 
 HELD_SETTLED = 1  # rounds of pp x chunks micro-batches after which a bounded schedule holds its most
 
 
 @functools.lru_cache(maxsize=4096)
-def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, int], ...]:
+def _held(
+    schedule: str, pp: int, microbatches: int, chunks: int, layers: tuple | None = None
+) -> tuple[tuple[int, int, int], ...]:
     table = schedule_table(schedule, pp, microbatches, chunks)  # shared with the step's simulation
     placement = placement_of(table)
     last = placement.num_virtual - 1
@@ -120,20 +135,34 @@ def _held(schedule: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple
             elif backward_done.get((action.microbatch, action.chunk)) == index:
                 live -= 1
                 live_last -= action.chunk in chunks_last
-        result.append((most, most_last))
+        blocks = most if layers is None else _most_blocks(actions, backward_done, layers[rank])
+        result.append((most, most_last, blocks))
     return tuple(result)
+
+
+def _most_blocks(actions, backward_done: dict, weight: tuple[int, ...]) -> int:
+    """The most blocks' activations one rank holds at once, chunk c holding ``weight[c]`` blocks."""
+    live = most = 0
+    for index, action in enumerate(actions):
+        if action.op == "F":
+            live += weight[action.chunk]
+            most = max(most, live)
+        elif backward_done.get((action.microbatch, action.chunk)) == index:
+            live -= weight[action.chunk]
+    return most
 
 
 def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) -> GpuMemory:
     """The memory of the fullest GPU under ``config`` (the module's list, part by part)."""
     cuts = stage_layers(model, config)
-    table_shape = (config.schedule, config.pp, config.microbatches, config.chunks)
-    held = held_microbatches(*table_shape)
     placement = placement_for(config.schedule, config.pp, config.chunks)
+    table_shape = (config.schedule, config.pp, config.microbatches, config.chunks)
+    held = held_microbatches(*table_shape, _uneven_chunks(cuts, placement))
     last = placement.owner(placement.num_virtual - 1)[0]
     layers = [sum(len(cuts[s]) for s in stages) for stages in placement.stages]
     # the fullest is one of these: the first, the last stage's, the one holding most, the largest
     candidates = {0, last, max(range(config.pp), key=lambda r: held[r][0]), layers.index(max(layers))}
+    candidates.add(max(range(config.pp), key=lambda r: held[r][2]))
     return max(
         (
             _rank_memory(model, config, job, software, cuts, rank, held[rank], placement)
@@ -141,6 +170,13 @@ def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) 
         ),
         key=lambda memory: memory.allocated,
     )
+
+
+def _uneven_chunks(cuts: list[range], placement: Placement) -> tuple[tuple[int, ...], ...] | None:
+    """Each rank's blocks per chunk where the chunks differ (the ends in slots, a cut that does not
+    divide), for `held_microbatches` to count the blocks held; None where all are alike."""
+    layers = tuple(tuple(len(cuts[s]) for s in stages) for stages in placement.stages)
+    return None if len({n for rank in layers for n in rank}) == 1 else layers
 
 
 def memory_floor(model: PaperModel, config: Config, job: Job, software: Software) -> float:
@@ -153,7 +189,7 @@ def memory_floor(model: PaperModel, config: Config, job: Job, software: Software
     last = placement.owner(placement.num_virtual - 1)[0]
     layers = [sum(len(cuts[s]) for s in stages) for stages in placement.stages]
     return max(
-        _rank_memory(model, config, job, software, cuts, rank, (1, 1), placement).total
+        _rank_memory(model, config, job, software, cuts, rank, (1, 1, None), placement).total
         for rank in {0, last, layers.index(max(layers))}
     )
 
@@ -184,9 +220,10 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     gathered = (1 if software.dtype == "fp8" else a) if software.tp_gathered_inputs else 0
     head_gathered = a if software.tp_gathered_inputs else 0
     per_layer = activations.layer_bytes(model, config.recompute, a, fused, tp, sp, fp8, gathered)
-    most_layers = max(len(cuts[s]) for s in stages)
-    held_all, held_last = held
-    kept = held_all * most_layers * per_layer * tokens
+    held_all, held_last, held_layers = held  # held_layers None: a chunk's most blocks a micro-batch
+    if held_layers is None or len({len(cuts[s]) for s in stages}) == 1:
+        held_layers = held_all * max(len(cuts[s]) for s in stages)
+    kept = held_layers * per_layer * tokens
     if last:
         kept += held_last * activations.head_bytes(model, a, fused, tp, sp, head_gathered) * tokens
     rebuild = {

@@ -48,6 +48,7 @@ class Prediction:
             "recompute": c.recompute,
             "zero": c.zero,
             "sequence_parallel": c.sequence_parallel,
+            "ends": c.ends,
             "tokens_per_second_per_gpu": round(self.tokens_per_second_per_gpu, 3),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),
             "mfu": round(self.mfu, 4),

@@ -172,14 +172,14 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
     """Each virtual stage's F, B, I, W for one micro-batch: its layers, plus the embedding (first) and
     the head with the loss (last). Cached on ``rates``: the caller must not change them."""
     key = _layer_key(model, config, job, software)
-    cached = rates.per_stages.get((key, config.pp, config.chunks))
+    cached = rates.per_stages.get((key, config.pp, config.chunks, config.ends))
     if cached is not None:
         return cached
     own, ends = _layer_and_ends(model, config, job, software, rates)  # read once for all the stages
     cuts = stage_layers(model, config)
-    shapes = rates.stage_shapes.get((model, len(cuts)))
-    if shapes is None:  # the cut depends on the count of stages alone
-        shapes = rates.stage_shapes[(model, len(cuts))] = _stage_shapes(model, cuts)
+    shapes = rates.stage_shapes.get((model, len(cuts), config.ends))
+    if shapes is None:  # the cut depends on the count of stages and where the ends go alone
+        shapes = rates.stage_shapes[(model, len(cuts), config.ends)] = _stage_shapes(model, cuts)
     made: dict[tuple, dict[str, float]] = {}
     for shape, kinds in shapes[1].items():  # stages alike cost alike
         first, last = shape[1:]
@@ -201,7 +201,7 @@ def stage_costs(model, config, job, software, rates) -> list[dict[str, float]]:
             cost["ends"] = tuple(ends[end][op] for end in ("first", "last") for op in ("F", "B"))
         made[shape] = cost
     costs = [dict(made[shape]) for shape in shapes[0]]
-    rates.per_stages[(key, config.pp, config.chunks)] = costs
+    rates.per_stages[(key, config.pp, config.chunks, config.ends)] = costs
     return costs
 
 
@@ -354,7 +354,14 @@ def data_parallel_seconds(model, config, software, rates, costs, run: Simulated 
     sync = 2 * share if config.zero == 0 else share  # an all-reduce moves twice a reduce-scatter's bytes
     weight_bytes = 2 if software.dtype != "fp32" else 4
     cuts = stage_layers(model, config)
-    shape = (model, config.tp, config.pp, config.chunks, config.ep)  # ep: the experts a rank holds
+    shape = (
+        model,
+        config.tp,
+        config.pp,
+        config.chunks,
+        config.ep,
+        config.ends,
+    )  # ep: the experts a rank holds
     if shape not in rates.stage_parameters:
         rates.stage_parameters[shape] = [_stage_parameters(model, config, s, cuts) for s in range(len(cuts))]
     stage_parameters = rates.stage_parameters[shape]

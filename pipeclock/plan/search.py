@@ -31,7 +31,13 @@ from dataclasses import dataclass, field, replace
 from pipeclock.engine.generators import SCHEDULES, V_SCHEDULES
 from pipeclock.plan import context_parallel, experts
 from pipeclock.plan.cluster_config import RECOMPUTES, ZERO_STAGES, Config, Job, Software
-from pipeclock.plan.cluster_memory import GpuMemory, gpu_memory, memory_floor, static_floor
+from pipeclock.plan.cluster_memory import (
+    GpuMemory,
+    gpu_memory,
+    memory_floor,
+    most_virtual_stages,
+    static_floor,
+)
 from pipeclock.plan.cluster_plan import Prediction, rate
 from pipeclock.plan.cluster_time import (
     Rates,
@@ -52,7 +58,9 @@ DEGREES = ("tp", "cp", "pp", "dp")  # the layout's degrees, innermost first
 # small and cp only adds its exchange), at powers of two up to this degree
 CP_SEARCHED_FROM, CP_SEARCHED_UP_TO = 32768, 16
 ONE_STAGE_SCHEDULE = "1f1b"  # with one stage every schedule is F then B per micro-batch
-FIXABLE = ("tp", "pp", "dp", "cp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep")
+FIXABLE = (
+    "tp", "pp", "dp", "cp", "schedule", "chunks", "microbatch-size", "recompute", "zero", "sp", "ep", "ends"
+)  # fmt: skip
 
 
 class SearchError(ValueError):
@@ -241,7 +249,8 @@ def configurations(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -
                 experts.ep_choices(model, dp, fixed),
             ):
                 found = True
-                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp)
+                yield Config(tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp,
+                             fixed.get("ends", "ride"))  # fmt: skip
     if not found:
         raise SearchError(
             f"--fix microbatch-size={fixed.get('microbatch-size')} divides no replica's share of "
@@ -279,7 +288,19 @@ def config_groups(
                 if members:
                     yield (
                         Config(
-                            tp, pp, dp, schedule, chunks, size, local // size, recompute, zero, sp, ep, cp
+                            tp,
+                            pp,
+                            dp,
+                            schedule,
+                            chunks,
+                            size,
+                            local // size,
+                            recompute,
+                            zero,
+                            sp,
+                            ep,
+                            cp,
+                            fixed.get("ends", "ride"),
                         ),
                         members,
                     )
@@ -337,7 +358,7 @@ def _schedules(model: PaperModel, pp: int, fixed: dict) -> Iterator[tuple[str, i
         for chunks in _choice(fixed, "chunks", options):
             # a free search tries the usual counts; a fixed one any count of two or more (5, 7 ...)
             allowed = chunks in options or (name == "interleaved-1f1b" and chunks >= 2)
-            if pp * chunks <= model.layers and allowed:
+            if pp * chunks <= most_virtual_stages(model, fixed.get("ends", "ride")) and allowed:
                 yield name, chunks
 
 
@@ -388,10 +409,12 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
         )
     if chunks is not None and schedule in V_SCHEDULES and chunks != 2:
         raise SearchError(f"--fix schedule={schedule} is a V: two chunks per rank, not {chunks}")
-    if chunks is not None and "pp" in fixed and fixed["pp"] * chunks > model.layers:
+    most = most_virtual_stages(model, fixed.get("ends", "ride"))
+    if chunks is not None and "pp" in fixed and fixed["pp"] * chunks > most:
+        slots = " and its two ends" if most > model.layers else ""
         raise SearchError(
             f"--fix pp={fixed['pp']} x chunks={chunks} is {fixed['pp'] * chunks} virtual stages, more "
-            f"than the model's {model.layers} layers"
+            f"than the model's {model.layers} layers{slots}"
         )
 
 
