@@ -54,7 +54,7 @@ micro-batch of Meta's runs and the chunks of its interleaving) is left to the se
 a round, §3.3.2: tunable) is not stated for these runs; the published orders that take it (Megatron-LM's
 ``megatron/core/pipeline_parallel/schedules.py`` at 00611e6e, N in [PP, M]; torch's
 ``ScheduleInterleaved1F1B``, N = M / max(1, M // PP)) give N = PP = 16 here, the planner's rounds.
-Meta's cp row keeps ``zero=3`` and the ends riding with their stages, as before (docs/cluster.md).
+Meta's cp row takes the same FSDP and ends (§3.3.2 states them for the run, not per table row).
 Overlapping tensor parallel's collectives is stated in no table: NVIDIA's runs are taken as overlapped
 (Megatron-Core's ``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g.
 Megatron-Bridge's ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with
@@ -123,14 +123,14 @@ def rows() -> list:
     h100 = KINDS["H100-80GB"]
     result = []
     llama = paper_model(read_config(CONFIGS / "llama-3.1-405b.json"), "Llama 3 405B")
+    metas = "zero=2,schedule=interleaved-1f1b,ends=slot"  # its FSDP, its pipeline's ends
     for gpus, tp, pp, dp, per_rank, tflops, role in META_ROWS:
-        metas = "zero=2,recompute=none,schedule=interleaved-1f1b,ends=slot"  # its FSDP, its pipeline's ends
-        fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},{metas}")
+        fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},recompute=none,{metas}")
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
                           Job(dp * per_rank, META_SEQ), Software("bf16", True, False), fixed, None, tflops,
                           None, role))  # fmt: skip
     for gpus, tp, cp, pp, dp, per_rank, seq, tflops, role in META_CP_ROWS:
-        fixed = parse_fix(f"tp={tp},cp={cp},pp={pp},dp={dp},zero=3,schedule=interleaved-1f1b")
+        fixed = parse_fix(f"tp={tp},cp={cp},pp={pp},dp={dp},{metas}")
         software = Software("bf16", True, False, cp_exchange="all-gather-exposed")
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}", llama,
                           Cluster(gpus, h100), Job(dp * per_rank, seq), software, fixed, None, tflops, None,
