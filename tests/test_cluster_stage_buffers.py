@@ -1,5 +1,5 @@
-"""torch's pipelining of December 2024 on torchtitan's 405B rows (`benchmarks.stage_buffers`; docs/cluster.md
-: a reading, not yet part of the planner): walked action by action, the gradients arriving at
+"""torch's pipelining of December 2024 on torchtitan's 405B rows (`benchmarks.stage_buffers`: a reading, not yet
+part of the planner): walked action by action, the gradients arriving at
 each stage's first backward leave a rank with one stage as the planner counts it and lower a rank with
 two; the stages' kept outputs and receive buffers lift every fullest rank."""
 
