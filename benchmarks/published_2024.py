@@ -238,11 +238,13 @@ def titan_rows() -> list:
 
 
 def titan_software(soft: Software | tuple) -> Software:
-    """A torchtitan row's software: its tensor parallel keeps the gathered inputs, and its full recompute
-    (torch's non-reentrant checkpoint, compiled) stops at the last tensor the backward reads."""
+    """A torchtitan row's software: its tensor parallel keeps the gathered inputs, its full recompute
+    (torch's non-reentrant checkpoint, compiled) stops at the last tensor the backward reads, and its
+    pipeline stages are torch's of December 2024 (`pipeclock.plan.stage_buffers`)."""
+    titan = {"tp_gathered_inputs": True, "recompute_stops_early": True, "pipelining": "torch-2024"}
     if isinstance(soft, Software):
-        return dataclasses.replace(soft, tp_gathered_inputs=True, recompute_stops_early=True)
-    return Software(*soft, tp_gathered_inputs=True, recompute_stops_early=True)
+        return dataclasses.replace(soft, **titan)
+    return Software(*soft, **titan)
 
 
 def megatron_rows() -> list:

@@ -27,6 +27,7 @@ from pipeclock.plan.cluster_config import (
     ENDS,
     FP8_KEEPS,
     GRADIENTS,
+    PIPELININGS,
     RECOMPUTES,
     RETIRED_RECOMPUTES,
     ZERO_STAGES,
@@ -98,6 +99,14 @@ SOFTWARE_FLAGS = (
         "--cluster: how context parallel (--fix cp=N) exchanges keys and values: torch's all-gather "
         "(the default), Megatron-Core's ring, or an all-gather left exposed (Meta's Llama 3)",
         CP_EXCHANGES,
+    ),
+    SoftwareFlag(
+        "--pipelining", "pipelining",
+        "--cluster: whose pipeline stages run the schedule: pipeclock's (the default: a micro-batch's "
+        "output kept until its backward), or torch.distributed.pipelining's of December 2024 with FSDP2, "
+        "as torchtitan ran them (every output kept to the step's end, a receive buffer a micro-batch, a "
+        "stage's gradients from its first backward)",
+        PIPELININGS,
     ),
 )  # fmt: skip
 # The cluster's other options, before the software's in the help and in the refusal without --cluster

@@ -41,6 +41,9 @@ ZERO_WORDS = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP (ZeRO-3)
 # last blocks' stages, or each in a block's slot of its own, so that the first and the last stages hold a
 # block fewer (Meta's Llama 3, arXiv 2407.21783 section 3.3.2)
 ENDS = ("ride", "slot")
+# Whose pipeline stages run the schedule (`Software.pipelining`): pipeclock's own, or those of
+# torch.distributed.pipelining of December 2024 with FSDP2, as torchtitan ran them (`plan.stage_buffers`)
+PIPELININGS = ("pipeclock", "torch-2024")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Software:
     - ``repeat_kv``: key and value heads repeated to the query heads before attention, and so moved by cp
     - ``tp_gathered_inputs``: under sp, column-parallel products keep inputs gathered (`plan.activations`)
     - ``recompute_stops_early``: a full recompute stops at the backward's last read (`plan.recompute_tail`)
+    - ``pipelining``: whose stages run the pipeline: "pipeclock" or "torch-2024" (`plan.stage_buffers`)
     """
 
     dtype: str = "bf16"
@@ -73,6 +77,7 @@ class Software:
     repeat_kv: bool = False
     tp_gathered_inputs: bool = False
     recompute_stops_early: bool = False
+    pipelining: str = "pipeclock"
 
     def __post_init__(self) -> None:
         if self.cp_exchange not in CP_EXCHANGES:
@@ -86,6 +91,8 @@ class Software:
             raise ValueError(f"unknown gradients {self.gradients!r}: use {' or '.join(GRADIENTS)}")
         if self.fp8 not in FP8_KEEPS:
             raise ValueError(f"unknown fp8 keeping {self.fp8!r}: use {', '.join(FP8_KEEPS)}")
+        if self.pipelining not in PIPELININGS:
+            raise ValueError(f"unknown pipelining {self.pipelining!r}: use {' or '.join(PIPELININGS)}")
 
     @property
     def activation_bytes(self) -> int:

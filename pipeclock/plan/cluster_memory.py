@@ -16,6 +16,10 @@
 - an allowance for what the allocator reserves beyond what is allocated (``ALLOCATOR_SLACK``) and for
   the CUDA context, the collectives' buffers and the library workspaces (``RUNTIME_BYTES``).
 
+Under torch's pipeline stages (``Software.pipelining``), which keep every output and a receive buffer a
+micro-batch and, under FSDP2, take a stage's gradients at its first backward, each rank is walked along
+its own actions instead (`pipeclock.plan.stage_buffers`).
+
 Tensor parallel divides each stage's matrices by tp (norm weights are replicated) and the embedding and
 head by tp (vocabulary-parallel); a tied matrix is held once where one rank holds both ends.
 """
@@ -29,7 +33,7 @@ from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import V_SCHEDULES
 from pipeclock.engine.placement import Placement
 from pipeclock.models.partition import partition
-from pipeclock.plan import activations, calibration, context_parallel, experts
+from pipeclock.plan import activations, calibration, context_parallel, experts, stage_buffers
 from pipeclock.plan.cluster_config import GRADIENTS, Config, Job, Software
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import schedule_table
@@ -163,10 +167,11 @@ def gpu_memory(model: PaperModel, config: Config, job: Job, software: Software) 
     # the fullest is one of these: the first, the last stage's, the one holding most, the largest
     candidates = {0, last, max(range(config.pp), key=lambda r: held[r][0]), layers.index(max(layers))}
     candidates.add(max(range(config.pp), key=lambda r: held[r][2]))
+    walk = walks(config, software)  # torch's stages: any rank may be the fullest
     return max(
         (
-            _rank_memory(model, config, job, software, cuts, rank, held[rank], placement)
-            for rank in candidates
+            _rank_memory(model, config, job, software, cuts, rank, held[rank], placement, walk)
+            for rank in (range(config.pp) if walk else candidates)
         ),
         key=lambda memory: memory.allocated,
     )
@@ -183,21 +188,24 @@ def memory_floor(model: PaperModel, config: Config, job: Job, software: Software
     """A total `gpu_memory` cannot be under, without generating the schedule: the first rank, the last
     stage's and the one with most layers, each holding a single micro-batch (every rank holds at least
     the one it runs forward until its backward). Floats round monotonically, so the bound holds to the
-    bit; a search judges a configuration over it too large without reading its schedule."""
+    bit; a search judges a configuration over it too large without reading its schedule. Under torch's
+    stages (`walks`), which hold gradients and buffers by the action, the floor is what no action
+    changes: the weights, the optimizer state and the working memory without the receive buffers."""
     cuts = stage_layers(model, config)
     placement = placement_for(config.schedule, config.pp, config.chunks)
     last = placement.owner(placement.num_virtual - 1)[0]
     layers = [sum(len(cuts[s]) for s in stages) for stages in placement.stages]
-    return max(
-        _rank_memory(model, config, job, software, cuts, rank, (1, 1, None), placement).total
-        for rank in {0, last, layers.index(max(layers))}
-    )
+    ranks = [_rank_memory(model, config, job, software, cuts, rank, (1, 1, None), placement) for rank in
+             {0, last, layers.index(max(layers))}]  # fmt: skip
+    if walks(config, software):
+        messages = 2.0 * _message(model, config, software) * context_parallel.local_tokens(config, job)
+        ranks = [GpuMemory(m.weights, 0.0, m.optimizer, 0.0, m.working - messages) for m in ranks]
+    return max(memory.total for memory in ranks)
 
 
-def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> GpuMemory:
-    stages = placement.stages[rank]
-    last_stage = config.pp * config.chunks - 1
-    first, last = 0 in stages, last_stage in stages
+def _parameters(model, config, cuts, stages) -> tuple[float, int, int]:
+    """The parameters of ``stages`` on one GPU, their blocks, and the dense ones among them."""
+    first, last = 0 in stages, config.pp * config.chunks - 1 in stages
     layers = sum(len(cuts[s]) for s in stages)
     dense = sum(model.dense_among(cuts[s]) for s in stages)  # a mixture's dense first blocks
     parameters = (layers - dense) * layer_parameters_per_gpu(model, config.tp)
@@ -205,6 +213,15 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
     parameters += (model.embedding_parameters() / config.tp) if first else 0
     if last and not (first and model.tied):
         parameters += model.head_parameters() / config.tp
+    return parameters, layers, dense
+
+
+def _rank_memory(model, config, job, software, cuts, rank, held, placement, walk=False) -> GpuMemory:
+    """One rank's memory; ``walk``: torch's stages (``software.pipelining``) walked along its actions."""
+    stages = placement.stages[rank]
+    last_stage = config.pp * config.chunks - 1
+    last = last_stage in stages
+    parameters, layers, dense = _parameters(model, config, cuts, stages)
     weights, gradients, optimizer = experts.split_states(
         _states, model, config, software, parameters, layers, layers - dense
     )
@@ -231,10 +248,40 @@ def _rank_memory(model, config, job, software, cuts, rank, held, placement) -> G
         "selective-attention": model.q_dim / tp * a,  # one attention core's output, rebuilt
     }.get(config.recompute, activations.layer_bytes(model, "none", a, fused, tp, sp, fp8, gathered))
     head = activations.head_backward_bytes(model, a, tp) if last else 0.0
-    messages = 2.0 * model.hidden * a / (tp if sp else 1)
+    messages = 2.0 * _message(model, config, software)
     exchange = context_parallel.working_bytes(model, config, job, software)  # a layer's backward's, with
     working = max(rebuild * tokens + exchange, head * tokens) + messages * tokens  # its rebuilt forward
-    return GpuMemory(weights, gradients, optimizer, kept, working)
+    if not (walk and walks(config, software)):
+        return GpuMemory(weights, gradients, optimizer, kept, working)
+    head_kept = activations.head_bytes(model, a, fused, tp, sp, head_gathered) * tokens
+    most = stage_buffers.most_held(
+        schedule_table(config.schedule, config.pp, config.microbatches, config.chunks)[rank], stages,
+        last_stage, config.microbatches,
+        {s: len(cuts[s]) * per_layer * tokens + (head_kept if s == last_stage else 0.0) for s in stages},
+        model.vocab / tp * a * tokens, messages / 2 * tokens,
+        functools.partial(_gradients, model, config, software, cuts),
+        late_gradients=config.zero == 3,
+    )  # fmt: skip
+    working += most.receives - messages * tokens  # the stages' buffers in place of the next two
+    return GpuMemory(weights, most.gradients, optimizer, most.activations + most.outputs, working)
+
+
+def _message(model: PaperModel, config: Config, software: Software) -> float:
+    """Bytes a token of one activation (or its gradient) between two stages takes (split under sp)."""
+    return model.hidden * software.activation_bytes / (config.tp if config.sequence_parallel else 1)
+
+
+def _gradients(model, config, software, cuts, stages) -> float:
+    """The gradients of ``stages`` on one GPU (none: nothing)."""
+    if not stages:
+        return 0.0
+    parameters, layers, dense = _parameters(model, config, cuts, stages)
+    return experts.split_states(_states, model, config, software, parameters, layers, layers - dense)[1]
+
+
+def walks(config: Config, software: Software) -> bool:
+    """Whether a rank's memory is walked along its actions (`stage_buffers`): torch's stages, a pipeline."""
+    return software.pipelining == "torch-2024" and config.pp > 1
 
 
 def _fp8_copies(model: PaperModel, config: Config, software: Software, layers: int, dense: int) -> float:

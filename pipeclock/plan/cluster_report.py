@@ -30,6 +30,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         + (", DeepSpeed" if software.deepspeed else "")
         + (_FP8_WORDS[software.fp8] if software.dtype == "fp8" else "")
         + (", attention's scores materialized" if software.attention == "materialized" else "")
+        + (", torch's pipeline stages of 2024" if software.pipelining == "torch-2024" else "")
     )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
