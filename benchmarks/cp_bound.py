@@ -10,7 +10,7 @@ worst error such a model leaves on a series of published rows with ``a`` at leas
 `planner_floor` reads the floor and ``g`` off the planner: its per-token time at cp 1 with attention
 free, and the most it then charges per added cp rank (the exchange and merges, nothing hiding them).
 
-    python -m benchmarks.cp_bound      # the bound for Table 2's and Table 6's series, and T5's memory
+    python -m benchmarks.cp_bound      # the bound for Table 2's and Table 6's series
 """
 
 from __future__ import annotations
@@ -108,13 +108,6 @@ def _line(points: list[tuple[float, float]], floor: float, error: float,
     return None
 
 
-def same_figure(first: float, second: float) -> tuple[float, float]:
-    """The one predicted figure closest to two published ones (the smaller largest error), and that error:
-    their harmonic mean, as far below the larger as above the smaller."""
-    figure = 2.0 / (1.0 / first + 1.0 / second)
-    return figure, abs(figure / max(first, second) - 1.0)
-
-
 # --- the published series ------------------------------------------------------------------------------
 
 
@@ -146,7 +139,7 @@ def planner_floor(rows: list, values: dict | None = None) -> tuple[float, float]
 
 
 def report(table: list, values: dict | None = None) -> str:
-    """The bound's lines for Table 2's and Table 6's series and Table 5's two memory figures."""
+    """The bound's lines for Table 2's and Table 6's series."""
     lines = []
     for source in ("torchtitan T2", "torchtitan T6"):
         rows = series(table, source)
@@ -165,15 +158,6 @@ def report(table: list, values: dict | None = None) -> str:
             f"least the planner's fixed {fixed * 1e6:,.1f} us (cp 1, attention free), plus up to "
             f"{slope * 1e6:,.1f} us a cp rank past the first (its exchange and merges, all exposed), leaves "
             f"{bound.error:.1%} on some row (a {bound.a * 1e6:,.1f}, b {bound.b * 1e6:,.1f} us); {within}"
-        )
-    t5 = [row for row in table if row.source == "torchtitan T5"]
-    if len(t5) == 2 and all(row.memory for row in t5):
-        figure, error = same_figure(*(row.memory for row in t5))
-        low, high = max(r.memory for r in t5) * (1 - TARGET), min(r.memory for r in t5) * (1 + TARGET)
-        lines.append(
-            f"torchtitan T5 memory {t5[0].memory:g} and {t5[1].memory:g} GiB, one figure for both: "
-            f"{figure:.2f} GiB leaves {error:.1%}; within {TARGET:.0%} on both: "
-            f"{low:.2f} to {high:.2f} GiB"
         )
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.cp_bound import largest_floor, least_spread, same_figure, smallest_error
+from benchmarks.cp_bound import largest_floor, least_spread, smallest_error
 
 
 def rates(*times):
@@ -49,11 +49,6 @@ def test_torchtitan_table_2_fits_no_line_with_a_non_negative_intercept():
     published = [(1, 3890), (2, 2540), (4, 1071), (8, 548)]
     assert smallest_error(published, floor=0.0).error > 0.10
     assert smallest_error(published[:2] + published[3:], floor=0.0).error < 0.10  # cp 4 is what breaks it
-
-
-def test_one_figure_for_two_is_their_harmonic_mean_off_both_alike():
-    figure, error = same_figure(82.5, 72.7)
-    assert figure / 82.5 - 1 == pytest.approx(-error) and figure / 72.7 - 1 == pytest.approx(error)
 
 
 def test_bad_points_are_refused():
