@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks import cp_bound, published_2024, published_a100, published_h100, published_zero3
 from pipeclock.plan import calibration
-from pipeclock.plan.cluster_config import Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.search import search
 
@@ -65,7 +65,7 @@ def a100_rows() -> list[Row]:
     for run in published_a100.runs():
         software = Software("bf16", fused=True, tp_overlap=False, attention=run.attention,
                             gradients=run.gradients, tp_backward_overlap=run.tp_backward_overlap,
-                            deepspeed=run.deepspeed)  # fmt: skip
+                            deepspeed=run.deepspeed, rank_order=PP_OUTERMOST)  # fmt: skip
         cluster, job = Cluster(run.gpus, KINDS[run.kind]), Job(run.global_batch, run.seq_len)
         model, fixed = published_a100.paper(run), parse_fix(run.fix)
         result.append(Row(run.source, run.name, model, cluster, job, software, fixed, run.tokens_per_gpu,

@@ -17,7 +17,7 @@ from pipeclock.engine.actions import join_first_stage_backwards, placement_of
 from pipeclock.engine.generators import generate
 from pipeclock.observe.exchange import exchange_time
 from pipeclock.observe.simulate import simulate
-from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Config, Job, Software
 from pipeclock.plan.cluster_time import Rates, stage_costs
 
 PP, MICROBATCHES = 16, 120  # the run's 120 sequences a replica, one a micro-batch
@@ -43,7 +43,7 @@ def deepseek_costs(chunks: int) -> list[dict[str, float]]:
     model = paper_model(read_config(CONFIGS / "deepseek-v3.json"), "DeepSeek-V3")
     schedule = "dualpipev" if chunks == 2 else "1f1b"
     config = Config(1, PP, 128, schedule, chunks, 1, MICROBATCHES, "selective-op", 1, False, 64)
-    software = Software("fp8", True, False)
+    software = Software("fp8", True, False, rank_order=PP_OUTERMOST)
     return stage_costs(
         model, config, Job(15360, 4096), software, Rates(load_spec(CONFIGS / "h800.json"), software)
     )

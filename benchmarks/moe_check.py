@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeclock.plan.cluster_config import Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
 from pipeclock.plan.gpus import Cluster, load_spec
 from pipeclock.plan.hf_paper import paper_model, read_config
 from pipeclock.plan.search import search
@@ -49,7 +49,8 @@ def predict(row: MoeRow):
 
     model = paper_model(read_config(CONFIGS / "deepseek-v3.json"), "DeepSeek-V3")
     cluster = Cluster(2048, load_spec(CONFIGS / "h800.json"))
-    found = search(model, cluster, Job(15360, 4096), Software("fp8", True, False), parse_fix(row.fix), top=1)
+    software = Software("fp8", True, False, rank_order=PP_OUTERMOST)  # the frameworks' order, as published
+    found = search(model, cluster, Job(15360, 4096), software, parse_fix(row.fix), top=1)
     return found.ranked[0] if found.ranked else found.smallest
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeclock.plan.cluster_config import Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster, load_spec
 from pipeclock.plan.hf_paper import paper_model, read_config
 
@@ -239,9 +239,11 @@ def titan_rows() -> list:
 
 def titan_software(soft: Software | tuple) -> Software:
     """A torchtitan row's software: its tensor parallel keeps the gathered inputs, its full recompute
-    (torch's non-reentrant checkpoint, compiled) stops at the last tensor the backward reads, and its
-    pipeline stages are torch's of December 2024 (`pipeclock.plan.stage_buffers`)."""
-    titan = {"tp_gathered_inputs": True, "recompute_stops_early": True, "pipelining": "torch-2024"}
+    (torch's non-reentrant checkpoint, compiled) stops at the last tensor the backward reads, its
+    pipeline stages are torch's of December 2024 (`pipeclock.plan.stage_buffers`), and its mesh puts pp
+    outermost."""
+    titan = {"tp_gathered_inputs": True, "recompute_stops_early": True, "pipelining": "torch-2024",
+             "rank_order": PP_OUTERMOST}  # fmt: skip
     if isinstance(soft, Software):
         return dataclasses.replace(soft, **titan)
     return Software(*soft, **titan)
@@ -252,13 +254,13 @@ def megatron_rows() -> list:
     from benchmarks.cluster_check import Row
     from pipeclock.cli.plan_cluster import parse_fix
 
-    result = []
+    result, megatron = [], Software("bf16", True, True, rank_order=PP_OUTERMOST)
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, role in MEGATRON_ROWS:
         model = megatron_gpt(size, heads, hidden, layers)
         schedule = ",schedule=interleaved-1f1b" if pp > 1 else ""
         fixed = parse_fix(f"tp={tp},pp={pp},dp={dp}{schedule}")
         result.append(Row(MEGATRON, f"GPT {size}", model, Cluster(gpus, KINDS["H100-80GB"]),
-                          Job(batch, MEGATRON_SEQ), Software("bf16", True, True), fixed, None, tflops, None,
+                          Job(batch, MEGATRON_SEQ), megatron, fixed, None, tflops, None,
                           role))  # fmt: skip
     return result
 

@@ -116,7 +116,7 @@ def rows() -> list:
     """The rows above as `cluster_check.Row`s."""
     from benchmarks.cluster_check import CONFIGS, Row
     from pipeclock.cli.plan_cluster import parse_fix
-    from pipeclock.plan.cluster_config import Job, Software
+    from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
     from pipeclock.plan.gpus import KINDS, Cluster
     from pipeclock.plan.hf_paper import paper_model, read_config
 
@@ -124,14 +124,15 @@ def rows() -> list:
     result = []
     llama = paper_model(read_config(CONFIGS / "llama-3.1-405b.json"), "Llama 3 405B")
     metas = "zero=2,schedule=interleaved-1f1b,ends=slot"  # its FSDP, its pipeline's ends
+    meta = Software("bf16", True, False, rank_order=PP_OUTERMOST)
     for gpus, tp, pp, dp, per_rank, tflops, role in META_ROWS:
         fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},recompute=none,{metas}")
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
-                          Job(dp * per_rank, META_SEQ), Software("bf16", True, False), fixed, None, tflops,
-                          None, role))  # fmt: skip
+                          Job(dp * per_rank, META_SEQ), meta, fixed, None, tflops, None,
+                          role))  # fmt: skip
     for gpus, tp, cp, pp, dp, per_rank, seq, tflops, role in META_CP_ROWS:
         fixed = parse_fix(f"tp={tp},cp={cp},pp={pp},dp={dp},{metas}")
-        software = Software("bf16", True, False, cp_exchange="all-gather-exposed")
+        software = Software("bf16", True, False, cp_exchange="all-gather-exposed", rank_order=PP_OUTERMOST)
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}", llama,
                           Cluster(gpus, h100), Job(dp * per_rank, seq), software, fixed, None, tflops, None,
                           role))  # fmt: skip
@@ -143,7 +144,9 @@ def rows() -> list:
         degrees = f"tp={tp},pp={pp},dp={gpus // (tp * pp * cp)}" + (f",cp={cp}" if cp > 1 else "")
         fixed = parse_fix(f"{degrees},microbatch-size={mbs}{schedule}{known}")
         label = f"{name}, {gpus} GPUs" + (f", cp {cp}" if cp > 1 else "")
-        software = Software("fp8", True, True, fp8="te-fp8-params", cp_exchange="ring")
+        software = Software(
+            "fp8", True, True, fp8="te-fp8-params", cp_exchange="ring", rank_order=PP_OUTERMOST
+        )
         result.append(Row(NEMO, label, nemo_model(name, tp, seq), Cluster(gpus, h100), Job(batch, seq),
                           software, fixed, tokens, None, None, role))  # fmt: skip
     for container, size, gpus, batch, mbs, fsdp, tp, pp, vp, tokens, role in BRIDGE_ROWS:
@@ -153,7 +156,7 @@ def rows() -> list:
         recompute = ",recompute=none" if size == "70b" else ""  # the 8B's recomputes 5 layers of each stage
         fixed = parse_fix(f"tp={tp},pp={pp},dp={gpus // (tp * pp)},microbatch-size={mbs}{zero}{schedule}"
                           f"{recompute}")  # fmt: skip
-        software = Software("fp8", True, True, fp8="te-fp8-params")
+        software = Software("fp8", True, True, fp8="te-fp8-params", rank_order=PP_OUTERMOST)
         result.append(Row(BRIDGE, f"Llama 3 {size.upper()}, {gpus} GPUs, GBS {batch} ({container})", model,
                           Cluster(gpus, h100), Job(batch, BRIDGE_SEQ), software, fixed, tokens, None, None,
                           role))  # fmt: skip

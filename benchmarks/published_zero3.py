@@ -15,7 +15,7 @@ counted), so each published rate becomes tokens/s per GPU by the paper's own cou
 
 from __future__ import annotations
 
-from pipeclock.plan.cluster_config import Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
 from pipeclock.plan.gpus import KINDS, Cluster
 
 HEADS, HIDDEN, LAYERS, SEQ, VOCAB, BATCH = 96, 12288, 96, 2048, 51200, 1536
@@ -52,7 +52,9 @@ def rows(row_type) -> list:
         tokens = tflops * 1e12 / paper_flops_per_token()
         name = f"ZeRO-3 174.6B, {tflops} TFLOP/s by its count"
         cluster = Cluster(gpus, KINDS["A100-80GB"])
-        software = Software("bf16", fused=True, attention="materialized", deepspeed=True)  # DeepSpeed, 2021
+        software = Software(
+            "bf16", fused=True, attention="materialized", deepspeed=True, rank_order=PP_OUTERMOST
+        )  # DeepSpeed, 2021
         result.append(row_type(SOURCE, name, model, cluster, Job(BATCH, SEQ), software, fixed, tokens, None,
                                None, "rule"))  # fmt: skip
     return result

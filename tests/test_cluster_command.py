@@ -222,6 +222,8 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--dtype", "fp8", "--fp8-keeps", "fp4"],
          "argument --fp8-keeps: invalid choice: 'fp4'"),
         (["--params", "1e9", "--attention", "materialized"], "--attention plans a cluster on paper"),
+        (["--cluster", "8xH100-80GB", "--params", "1e9", "--rank-order", "tp-pp-dp"],
+         "argument --rank-order: invalid choice: 'tp-pp-dp' (choose from 'dp-pp-tp', 'pp-dp-tp')"),
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "schedule=zb-v,pp=1"],
          "--fix schedule=zb-v folds the model over the pipeline's ranks: not with pp=1"),
         (["--cluster", "8xA100-80GB", "--params", "1e9", "--attention", "eager"],

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipeclock.plan import experts
-from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -41,7 +41,7 @@ def test_each_ranks_expert_weights_gradients_and_optimizer_state_are_divided_by_
 
 
 def test_the_all_to_all_crosses_nvlink_inside_a_node_and_the_network_past_it():
-    bf16 = Software("bf16")
+    bf16 = Software("bf16", rank_order=PP_OUTERMOST)  # the ep ranks tp apart
     inside = experts.exchange(MOE, config(8, dp=8), JOB, bf16, H100)
     assert inside.between == 0 and inside.inside == pytest.approx(2 * 7 / 8)  # top 2, 7 of 8 ranks away
     across = experts.exchange(MOE, replace(config(8, dp=16), tp=2), JOB, bf16, H100)  # 4 ranks a node
@@ -52,6 +52,11 @@ def test_the_all_to_all_crosses_nvlink_inside_a_node_and_the_network_past_it():
     assert across.forward == pytest.approx(2 * (volume / network + 20e-6))  # dispatch and combine
     assert across.backward == across.forward
     assert experts.exchange(MOE, config(1), JOB, bf16, H100) == experts.NO_EXCHANGE
+
+
+def test_under_pipeclocks_order_the_ep_ranks_sit_a_pipeline_apart():
+    spread = experts.exchange(MOE, config(8, dp=8), JOB, Software("bf16"), H100)  # pp 2: 2 ranks apart
+    assert spread.between == pytest.approx(2 * 4 / 8) and spread.inside == pytest.approx(2 * 3 / 8)
 
 
 def test_under_fp8_the_tokens_go_to_their_experts_in_one_byte_and_come_back_in_two():

@@ -1,6 +1,7 @@
 """A data-parallel collective's link per rank (`pipeclock.plan.group_link`): the NICs its group's ranks own
 on each node, as NCCL lays its channels over them, up to the node's own link; with tp 8 a node holds one
-rank of a group, and the exchange is what it was on one NIC."""
+rank of a group, and the exchange is what it was on one NIC. The ranks here are laid out pp outermost
+(Megatron-LM's order); pipeclock's own: tests/test_cluster_rank_order.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from pipeclock.plan import calibration
-from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_config import PP_OUTERMOST, Config, Job, Software
 from pipeclock.plan.cluster_time import Rates, data_parallel_seconds, step_time
 from pipeclock.plan.gpus import KINDS
 from pipeclock.plan.group_link import (
@@ -24,6 +25,7 @@ from pipeclock.plan.paper_model import PaperModel
 H100, A100, RTX4090 = KINDS["H100-80GB"], KINDS["A100-80GB"], KINDS["RTX4090"]
 ONE_PER_NODE = replace(H100, gpus_per_node=1)  # every rank its own node: one NIC for each, always
 ONE_PER_NODE_A100 = replace(A100, gpus_per_node=1)
+FRAMEWORKS = Software("bf16", rank_order=PP_OUTERMOST)
 MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
                    vocab=32000)  # fmt: skip
 
@@ -36,26 +38,40 @@ def config(tp: int, pp: int, dp: int, zero: int = 1, microbatches: int = 4) -> C
 
 def test_a_node_holds_eight_over_tp_ranks_of_a_data_parallel_group_whatever_pp():
     layouts = [(8, 1, 32), (2, 1, 32), (1, 1, 64), (2, 2, 16), (1, 16, 4), (4, 4, 4), (8, 16, 8)]
-    assert [ranks_per_node(config(*layout), H100) for layout in layouts] == [1, 4, 8, 4, 4, 2, 1]
-    assert ranks_per_node(config(1, 1, 12), H100) == 4  # nodes of 8 and 4: the emptier sets the pace
+    assert [ranks_per_node(config(*layout), H100, PP_OUTERMOST) for layout in layouts] == [
+        1,
+        4,
+        8,
+        4,
+        4,
+        2,
+        1,
+    ]
+    assert (
+        ranks_per_node(config(1, 1, 12), H100, PP_OUTERMOST) == 4
+    )  # nodes of 8 and 4: the emptier sets the pace
 
 
 def test_a_tp_8_layout_gets_one_nic_a_rank_as_before():
-    assert bandwidth(config(8, 1, 32), H100) == H100.inter_node_bandwidth
-    assert bandwidth(config(8, 4, 8), A100) == A100.inter_node_bandwidth
-    assert bandwidth(config(4, 2, 8), A100) == 2 * A100.inter_node_bandwidth  # pp no longer splits a node
+    assert bandwidth(config(8, 1, 32), H100, FRAMEWORKS) == H100.inter_node_bandwidth
+    assert bandwidth(config(8, 4, 8), A100, FRAMEWORKS) == A100.inter_node_bandwidth
+    assert (
+        bandwidth(config(4, 2, 8), A100, FRAMEWORKS) == 2 * A100.inter_node_bandwidth
+    )  # pp no longer splits a node
 
 
 def test_a_stage_that_fills_part_of_a_node_keeps_its_group_on_nvlink():
-    assert group_in_one_node(config(1, 4, 4), H100)  # 16 GPUs: stages 0-1 on one node, 2-3 on the other
-    assert bandwidth(config(1, 4, 4), H100) == H100.intra_node_bandwidth
-    assert not group_in_one_node(config(4, 4, 4), H100)  # a stage spans two nodes
+    assert group_in_one_node(
+        config(1, 4, 4), H100, PP_OUTERMOST
+    )  # 16 GPUs: stages 0-1 on one node, 2-3 on the other
+    assert bandwidth(config(1, 4, 4), H100, FRAMEWORKS) == H100.intra_node_bandwidth
+    assert not group_in_one_node(config(4, 4, 4), H100, PP_OUTERMOST)  # a stage spans two nodes
 
 
 def test_pipeline_messages_cross_the_network_once_the_run_spans_nodes():
-    assert message_crosses_nodes(config(1, 4, 4), H100)  # stages 1 and 2 sit on different nodes
-    assert not message_crosses_nodes(config(1, 4, 2), H100)  # the whole pipeline in one node
-    assert not message_crosses_nodes(config(1, 1, 64), H100)  # no pipeline
+    assert message_crosses_nodes(config(1, 4, 4), H100, PP_OUTERMOST)  # stages 1 and 2 sit on different nodes
+    assert not message_crosses_nodes(config(1, 4, 2), H100, PP_OUTERMOST)  # the whole pipeline in one node
+    assert not message_crosses_nodes(config(1, 1, 64), H100, PP_OUTERMOST)  # no pipeline
 
 
 def test_k_ranks_a_node_get_k_nics_until_the_node_link_is_the_slower():

@@ -28,6 +28,7 @@ from pipeclock.plan.cluster_config import (
     FP8_KEEPS,
     GRADIENTS,
     PIPELININGS,
+    RANK_ORDERS,
     RECOMPUTES,
     RETIRED_RECOMPUTES,
     ZERO_STAGES,
@@ -107,6 +108,12 @@ SOFTWARE_FLAGS = (
         "as torchtitan ran them (every output kept to the step's end, a receive buffer a micro-batch, a "
         "stage's gradients from its first backward)",
         PIPELININGS,
+    ),
+    SoftwareFlag(
+        "--rank-order", "rank_order",
+        "--cluster: how the ranks are laid out, outermost first: dp-pp-tp (pipeclock's mesh, replicas "
+        "outermost; the default), or pp-dp-tp (Megatron-LM's, torchtitan's: stages outermost)",
+        RANK_ORDERS,
     ),
 )  # fmt: skip
 # The cluster's other options, before the software's in the help and in the refusal without --cluster

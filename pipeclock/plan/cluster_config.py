@@ -1,10 +1,11 @@
 """What a cluster plan chooses (`Config`) and what it takes as given (`Software`, `Job`).
 
-A cluster run's ranks are laid out pp x dp x cp x tp, pp outermost and tp innermost, as Megatron-LM
-(order tp-cp-ep-dp-pp) and torchtitan (mesh pp, dp_replicate, dp_shard, cp, tp) lay them out: the tp
-ranks of a stage are consecutive (one node), its context-parallel ranks (`pipeclock.plan.context_parallel`)
-tp apart, the replicas of a stage tp x cp apart, the stages of one pipeline dp x cp x tp apart (sources:
-docs/cluster.md). Meta's Llama 3 order (``[TP, CP, PP, DP]``) also puts cp next to tp.
+A cluster run's ranks are laid out in one of two orders (`Software.rank_order`), tp innermost in both:
+pipeclock's own mesh, dp x pp x tp with dp outermost (`pipeclock.parallel.mesh`), or pp x dp x cp x tp
+with pp outermost, as Megatron-LM (order tp-cp-ep-dp-pp) and torchtitan (mesh pp, dp_replicate,
+dp_shard, cp, tp) lay them out. Either way the tp ranks of a stage are consecutive (one node) and its
+context-parallel ranks (`pipeclock.plan.context_parallel`) tp apart; pipeclock has no cp, so under its
+order cp keeps that place, dp x pp x cp x tp. Where the rest sit: `pipeclock.plan.group_link`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ ENDS = ("ride", "slot")
 # Whose pipeline stages run the schedule (`Software.pipelining`): pipeclock's own, or those of
 # torch.distributed.pipelining of December 2024 with FSDP2, as torchtitan ran them (`plan.stage_buffers`)
 PIPELININGS = ("pipeclock", "torch-2024")
+# How the ranks are laid out (`Software.rank_order`, outermost first): pipeclock's mesh, dp outermost, or
+# Megatron-LM's and torchtitan's, pp outermost (the module's docstring)
+DP_OUTERMOST, PP_OUTERMOST = "dp-pp-tp", "pp-dp-tp"
+RANK_ORDERS = (DP_OUTERMOST, PP_OUTERMOST)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ class Software:
     - ``tp_gathered_inputs``: under sp, column-parallel products keep inputs gathered (`plan.activations`)
     - ``recompute_stops_early``: a full recompute stops at the backward's last read (`plan.recompute_tail`)
     - ``pipelining``: whose stages run the pipeline: "pipeclock" or "torch-2024" (`plan.stage_buffers`)
+    - ``rank_order``: the ranks' layout: "dp-pp-tp" (pipeclock's) or "pp-dp-tp" (Megatron-LM's, torchtitan's)
     """
 
     dtype: str = "bf16"
@@ -78,6 +84,7 @@ class Software:
     tp_gathered_inputs: bool = False
     recompute_stops_early: bool = False
     pipelining: str = "pipeclock"
+    rank_order: str = DP_OUTERMOST
 
     def __post_init__(self) -> None:
         if self.cp_exchange not in CP_EXCHANGES:
@@ -93,6 +100,8 @@ class Software:
             raise ValueError(f"unknown fp8 keeping {self.fp8!r}: use {', '.join(FP8_KEEPS)}")
         if self.pipelining not in PIPELININGS:
             raise ValueError(f"unknown pipelining {self.pipelining!r}: use {' or '.join(PIPELININGS)}")
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"unknown rank order {self.rank_order!r}: use {' or '.join(RANK_ORDERS)}")
 
     @property
     def activation_bytes(self) -> int:

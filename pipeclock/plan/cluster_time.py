@@ -91,6 +91,7 @@ class Rates:
         self.memory = gpu.memory_bandwidth
         self.a = software.activation_bytes
         self.gpu = gpu
+        self.rank_order = software.rank_order
         self.per_layer: dict[tuple, tuple] = {}  # a search asks for the same layer's costs often
         self.per_stages: dict[tuple, list] = {}
         self.stage_parameters: dict[tuple, list] = {}
@@ -276,10 +277,10 @@ def message_seconds(model, config, job, rates) -> float:
     over the tp ranks, on the node's link or, past a node, the network. Without sequence parallel each
     tp rank holds the whole activation, sends its 1/tp share and gathers the rest from its node's
     ranks on arrival (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1). A cp rank sends its
-    own tokens to the next stage's same cp rank, tp x cp ranks away."""
+    own tokens to the next stage's same cp rank."""
     tokens = context_parallel.local_tokens(config, job)
     whole = tokens * model.hidden * rates.a
-    crosses_nodes = group_link.message_crosses_nodes(config, rates.gpu)  # stages dp x tp ranks apart
+    crosses_nodes = group_link.message_crosses_nodes(config, rates.gpu, rates.rank_order)
     link = rates.gpu.inter_node_bandwidth if crosses_nodes else rates.gpu.intra_node_bandwidth
     seconds = calibration.COLLECTIVE_LATENCY + whole / config.tp / (link * calibration.LINK_EFFICIENCY)
     if config.tp > 1 and not config.sequence_parallel:

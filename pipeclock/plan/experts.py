@@ -5,7 +5,8 @@ takes each token to its experts and back.
   torchtitan carve them: ep divides dp and the expert count. A rank holds experts/ep of each MoE layer of
   its stage (split tp ways as before); everything else (attention, norms, the router, shared experts) is
   held as without ep. A cluster run lays the ep ranks just outside tp (Megatron-Core's order tp, ep, dp,
-  pp), so a group holds ``gpus_per_node // tp`` ranks of a node.
+  pp), so a group holds ``gpus_per_node // tp`` ranks of a node; under pipeclock's order (dp outermost,
+  `pipeclock.plan.group_link`) they sit a pipeline's pp x cp x tp ranks apart.
 - **Memory.** The routed experts' weights, gradients and optimizer state are divided by ep; ZeRO shards
   them over the dp / ep ranks that hold the same experts (the expert-data-parallel group).
 - **The all-to-all.** For each MoE layer and micro-batch, the forward dispatches each token's hidden state
@@ -25,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pipeclock.plan import calibration
-from pipeclock.plan.cluster_config import Config, Job, Software
+from pipeclock.plan.cluster_config import DP_OUTERMOST, Config, Job, Software
 from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
 
@@ -158,7 +159,8 @@ def exchange(model: PaperModel, config: Config, job: Job, software: Software, gp
     """One MoE layer's all-to-alls for one micro-batch (the module's rules); nothing without ep."""
     if config.ep == 1 or not model.is_moe:
         return NO_EXCHANGE
-    inside, between = copies(model, config.ep, config.tp * config.cp, gpu)  # ep ranks tp x cp apart
+    apart = config.tp * config.cp * (config.pp if software.rank_order == DP_OUTERMOST else 1)
+    inside, between = copies(model, config.ep, apart, gpu)  # the ep ranks' distance (the module's rules)
     tokens = config.microbatch_size * job.seq_len / config.cp / config.tp  # each rank sends its tokens
     back = software.activation_bytes
     out = FP8_BYTES if software.dtype == "fp8" else back
