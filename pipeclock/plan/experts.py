@@ -140,10 +140,10 @@ class Exchange:
 NO_EXCHANGE = Exchange(0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def copies(model: PaperModel, ep: int, tp: int, gpu: GpuKind) -> tuple[float, float]:
-    """Per token, the copies of its hidden state that leave its GPU for the ep group's other ranks:
-    (inside the node, to other nodes); see the module's rules."""
-    local = max(1, min(ep, gpu.gpus_per_node // tp))
+def copies(model: PaperModel, ep: int, apart: int, gpu: GpuKind) -> tuple[float, float]:
+    """Per token, the copies of its hidden state that leave its GPU for the ep group's other ranks, which
+    sit ``apart`` ranks from each other: (inside the node, to other nodes); see the module's rules."""
+    local = max(1, min(ep, gpu.gpus_per_node // apart))
     nodes = math.ceil(ep / local)
     k = model.experts_per_token
     inside, between = k * (local - 1) / ep, k * (ep - local) / ep
