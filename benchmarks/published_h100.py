@@ -55,6 +55,9 @@ a round, §3.3.2: tunable) is not stated for these runs; the published orders th
 ``megatron/core/pipeline_parallel/schedules.py`` at 00611e6e, N in [PP, M]; torch's
 ``ScheduleInterleaved1F1B``, N = M / max(1, M // PP)) give N = PP = 16 here, the planner's rounds.
 Meta's cp row takes the same FSDP and ends (§3.3.2 states them for the run, not per table row).
+Meta lays its ranks in the order [TP, CP, PP, DP] (§3.3.2, innermost first): dp outermost, as pipeclock
+(``rank_order=DP_OUTERMOST``); NVIDIA's runs lay them as Megatron-Core does, pp outermost. With tp 8 the
+two orders give Meta's rows the same links.
 Overlapping tensor parallel's collectives is stated in no table: NVIDIA's runs are taken as overlapped
 (Megatron-Core's ``tp_comm_overlap``, which NeMo's and Megatron-Bridge's H100 recipes configure, e.g.
 Megatron-Bridge's ``src/megatron/bridge/perf_recipes/llama/h100/llama3.py``), Meta's as not (with
@@ -116,7 +119,7 @@ def rows() -> list:
     """The rows above as `cluster_check.Row`s."""
     from benchmarks.cluster_check import CONFIGS, Row
     from pipeclock.cli.plan_cluster import parse_fix
-    from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
+    from pipeclock.plan.cluster_config import DP_OUTERMOST, PP_OUTERMOST, Job, Software
     from pipeclock.plan.gpus import KINDS, Cluster
     from pipeclock.plan.hf_paper import paper_model, read_config
 
@@ -124,7 +127,7 @@ def rows() -> list:
     result = []
     llama = paper_model(read_config(CONFIGS / "llama-3.1-405b.json"), "Llama 3 405B")
     metas = "zero=2,schedule=interleaved-1f1b,ends=slot"  # its FSDP, its pipeline's ends
-    meta = Software("bf16", True, False, rank_order=PP_OUTERMOST)
+    meta = Software("bf16", True, False, rank_order=DP_OUTERMOST)
     for gpus, tp, pp, dp, per_rank, tflops, role in META_ROWS:
         fixed = parse_fix(f"tp={tp},pp={pp},dp={dp},recompute=none,{metas}")
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs", llama, Cluster(gpus, h100),
@@ -132,7 +135,7 @@ def rows() -> list:
                           role))  # fmt: skip
     for gpus, tp, cp, pp, dp, per_rank, seq, tflops, role in META_CP_ROWS:
         fixed = parse_fix(f"tp={tp},cp={cp},pp={pp},dp={dp},{metas}")
-        software = Software("bf16", True, False, cp_exchange="all-gather-exposed", rank_order=PP_OUTERMOST)
+        software = Software("bf16", True, False, cp_exchange="all-gather-exposed", rank_order=DP_OUTERMOST)
         result.append(Row(META, f"Llama 3 405B, {gpus:,} GPUs, cp {cp}, seq {seq:,}", llama,
                           Cluster(gpus, h100), Job(dp * per_rank, seq), software, fixed, None, tflops, None,
                           role))  # fmt: skip

@@ -96,8 +96,11 @@ def test_the_plans_header_names_the_frameworks_order_and_not_pipeclocks():
     assert "outermost" not in cluster_report.header(MODEL, cluster, job, PIPECLOCK)[0]
 
 
-def test_every_published_row_lays_its_ranks_pp_outermost():
+def test_every_published_row_lays_its_ranks_as_its_framework_does():
     pytest.importorskip("transformers")
     from benchmarks import cluster_check
 
-    assert {row.software.rank_order for row in cluster_check.rows()} == {PP_OUTERMOST}
+    orders = {(row.source, row.software.rank_order) for row in cluster_check.rows()}
+    meta = {order for source, order in orders if source.startswith("Meta")}
+    assert meta == {DP_OUTERMOST}  # Llama 3 §3.3.2: [TP, CP, PP, DP], dp outermost
+    assert {order for source, order in orders if not source.startswith("Meta")} == {PP_OUTERMOST}
