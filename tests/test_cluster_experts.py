@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipeclock.plan import experts
-from pipeclock.plan.cluster_config import PP_OUTERMOST, Config, Job, Software
+from pipeclock.plan.cluster_config import DP_OUTERMOST, PP_OUTERMOST, Config, Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -55,7 +55,8 @@ def test_the_all_to_all_crosses_nvlink_inside_a_node_and_the_network_past_it():
 
 
 def test_under_pipeclocks_order_the_ep_ranks_sit_a_pipeline_apart():
-    spread = experts.exchange(MOE, config(8, dp=8), JOB, Software("bf16"), H100)  # pp 2: 2 ranks apart
+    pipeclock = Software("bf16", rank_order=DP_OUTERMOST)
+    spread = experts.exchange(MOE, config(8, dp=8), JOB, pipeclock, H100)  # pp 2: 2 ranks apart
     assert spread.between == pytest.approx(2 * 4 / 8) and spread.inside == pytest.approx(2 * 3 / 8)
 
 

@@ -1,7 +1,7 @@
 """Whose rank order the cluster planner plans (`Software.rank_order`, `pipeclock.plan.group_link`):
-pipeclock's own mesh, dp outermost, by default; Megatron-LM's and torchtitan's, pp outermost, for the
-published runs. With dp outermost a stage's replicas sit a pipeline's pp x tp ranks apart, and a
-pipeline's neighbouring stages tp apart."""
+Megatron-LM's and torchtitan's, pp outermost, by default and for the published runs; pipeclock's own
+mesh, dp outermost, when asked. With dp outermost a stage's replicas sit a pipeline's pp x tp ranks
+apart, and a pipeline's neighbouring stages tp apart."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pipeclock.plan.group_link import (
 from pipeclock.plan.paper_model import PaperModel
 
 H100 = KINDS["H100-80GB"]
-PIPECLOCK, FRAMEWORKS = Software("bf16"), Software("bf16", rank_order=PP_OUTERMOST)
+PIPECLOCK, FRAMEWORKS = Software("bf16", rank_order=DP_OUTERMOST), Software("bf16")
 MODEL = PaperModel("test 1.2B", layers=16, hidden=2048, heads=16, kv_heads=4, head_dim=128, ffn=5632,
                    vocab=32000)  # fmt: skip
 
@@ -39,8 +39,8 @@ def coordinates(layout: Config):
     return itertools.product(range(layout.dp), range(layout.pp), range(layout.cp), range(layout.tp))
 
 
-def test_pipeclocks_order_is_the_default_and_is_the_engines_mesh():
-    assert Software().rank_order == DP_OUTERMOST
+def test_the_frameworks_order_is_the_default_and_pipeclocks_is_the_engines_mesh():
+    assert Software().rank_order == PP_OUTERMOST
     layout, engine = config(tp=2, pp=3, dp=2), mesh_layout(12, dp=2, tp=2)
     for d, s, c, t in coordinates(layout):
         assert rank(layout, DP_OUTERMOST, d, s, c, t) == engine[d, s, t].item()
@@ -90,10 +90,10 @@ def test_with_dp_outermost_a_group_lies_in_one_node_only_when_the_pipelines_do()
     assert group_in_one_node(config(2, 8, 1, cp=2), H100, DP_OUTERMOST)  # dp 1: the cp pair, 2 apart
 
 
-def test_the_plans_header_names_the_frameworks_order_and_not_pipeclocks():
+def test_the_plans_header_names_pipeclocks_order_and_not_the_default():
     cluster, job = Cluster(16, H100), Job(64, 2048)
-    assert "pp outermost" in cluster_report.header(MODEL, cluster, job, FRAMEWORKS)[0]
-    assert "outermost" not in cluster_report.header(MODEL, cluster, job, PIPECLOCK)[0]
+    assert "dp outermost" in cluster_report.header(MODEL, cluster, job, PIPECLOCK)[0]
+    assert "outermost" not in cluster_report.header(MODEL, cluster, job, FRAMEWORKS)[0]
 
 
 def test_every_published_row_lays_its_ranks_as_its_framework_does():

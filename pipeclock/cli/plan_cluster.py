@@ -111,8 +111,8 @@ SOFTWARE_FLAGS = (
     ),
     SoftwareFlag(
         "--rank-order", "rank_order",
-        "--cluster: how the ranks are laid out, outermost first: dp-pp-tp (pipeclock's mesh, replicas "
-        "outermost; the default), or pp-dp-tp (Megatron-LM's, torchtitan's: stages outermost)",
+        "--cluster: how the ranks are laid out, outermost first: pp-dp-tp (Megatron-LM's, torchtitan's: "
+        "stages outermost; the default), or dp-pp-tp (pipeclock's mesh: replicas outermost)",
         RANK_ORDERS,
     ),
 )  # fmt: skip

@@ -68,7 +68,7 @@ class Software:
     - ``tp_gathered_inputs``: under sp, column-parallel products keep inputs gathered (`plan.activations`)
     - ``recompute_stops_early``: a full recompute stops at the backward's last read (`plan.recompute_tail`)
     - ``pipelining``: whose stages run the pipeline: "pipeclock" or "torch-2024" (`plan.stage_buffers`)
-    - ``rank_order``: the ranks' layout: "dp-pp-tp" (pipeclock's) or "pp-dp-tp" (Megatron-LM's, torchtitan's)
+    - ``rank_order``: the ranks' layout: "pp-dp-tp" (Megatron-LM's, torchtitan's) or "dp-pp-tp" (pipeclock's)
     """
 
     dtype: str = "bf16"
@@ -84,7 +84,7 @@ class Software:
     tp_gathered_inputs: bool = False
     recompute_stops_early: bool = False
     pipelining: str = "pipeclock"
-    rank_order: str = DP_OUTERMOST
+    rank_order: str = PP_OUTERMOST
 
     def __post_init__(self) -> None:
         if self.cp_exchange not in CP_EXCHANGES:

@@ -4,7 +4,7 @@ nothing fits; and the same as JSON."""
 from __future__ import annotations
 
 from pipeclock.observe.sizes import format_bytes
-from pipeclock.plan.cluster_config import PP_OUTERMOST, ZERO_WORDS, Job, Software
+from pipeclock.plan.cluster_config import DP_OUTERMOST, ZERO_WORDS, Job, Software
 from pipeclock.plan.cluster_plan import Prediction
 from pipeclock.plan.gpus import Cluster
 from pipeclock.plan.paper_model import PaperModel
@@ -31,7 +31,7 @@ def header(model: PaperModel, cluster: Cluster, job: Job, software: Software) ->
         + (_FP8_WORDS[software.fp8] if software.dtype == "fp8" else "")
         + (", attention's scores materialized" if software.attention == "materialized" else "")
         + (", torch's pipeline stages of 2024" if software.pipelining == "torch-2024" else "")
-        + (", ranks laid out pp outermost (Megatron-LM's)" if software.rank_order == PP_OUTERMOST else "")
+        + (", ranks laid out dp outermost (pipeclock's mesh)" if software.rank_order == DP_OUTERMOST else "")
     )
     per_step = job.global_batch * job.seq_len
     nodes = f"{cluster.nodes} nodes of {kind.gpus_per_node}" if cluster.nodes > 1 else "one node"
