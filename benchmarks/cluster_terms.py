@@ -55,6 +55,11 @@ class Terms:
         seconds added to the predicted step."""
         return self.published / (self.step + extra) - 1
 
+    def multiple(self, term: str) -> float:
+        """What ``term`` would have to cost, as a multiple of the planner's, for the row to read its
+        published step (infinite where the planner charges nothing for it)."""
+        return 1 + self.gap / self.seconds[term] if self.seconds[term] else float("inf")
+
 
 def terms(row) -> Terms:
     """The row's predicted step split into `TERMS` (a `benchmarks.cluster_check.Row` on one stage)."""
@@ -106,7 +111,7 @@ def terms(row) -> Terms:
 def closing(small: Terms, others: list[Terms], term: str) -> tuple[float, dict[str, float]]:
     """The multiple of ``term`` that makes ``small`` read its published step, and each other row's error
     with its own ``term`` charged that multiple too."""
-    multiple = 1 + small.gap / small.seconds[term] if small.seconds[term] else float("inf")
+    multiple = small.multiple(term)
     moved = {}
     for other in others:
         extra = (multiple - 1) * other.seconds[term] if small.seconds[term] else 0.0

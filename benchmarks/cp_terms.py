@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from benchmarks.cluster_terms import Terms
 from pipeclock.plan import cluster_time, context_parallel
 from pipeclock.plan.cluster_memory import placement_for, stage_layers
 from pipeclock.plan.search import search
@@ -39,28 +40,12 @@ OTHERS = (
 
 
 @dataclasses.dataclass
-class Split:
-    """A row's predicted step in seconds per term (`TERMS`), the planner's step and the published one."""
+class Split(Terms):
+    """A pipeline row's `Terms` (over `TERMS`), with its cp and its step's seconds per second of the
+    slowest stage's F + B of one micro-batch (``critical``)."""
 
-    name: str
     cp: int
-    seconds: dict[str, float]
-    step: float
-    published: float
-    critical: float  # k: the step's seconds per second of the slowest stage's F + B of one micro-batch
-
-    @property
-    def gap(self) -> float:
-        return self.published - self.step
-
-    def error(self, extra: float = 0.0) -> float:
-        """The speed error as the table reads it, with ``extra`` seconds added to the predicted step."""
-        return self.published / (self.step + extra) - 1
-
-    def multiple(self, term: str) -> float:
-        """What ``term`` would have to cost, as a multiple of the planner's, for the row to read its
-        published step (infinite where the planner charges nothing for it)."""
-        return 1 + self.gap / self.seconds[term] if self.seconds[term] else float("inf")
+    critical: float
 
 
 def layer_terms(model, config, job, software, rates) -> dict[str, float]:
@@ -99,7 +84,8 @@ def split(row) -> Split:
     seconds["ends and messages"] = step.pipeline - sum(seconds.values())
     seconds["dp"], seconds["optimizer"] = step.dp, step.optimizer
     speed = best.tflops_per_gpu / row.tflops if row.tflops else best.tokens_per_second_per_gpu / row.tokens
-    return Split(f"{row.source} {row.name}", config.cp, seconds, step.step, step.step * speed, critical)
+    name = f"{row.source} {row.name}"
+    return Split(name, config.label(), seconds, step.step, step.step * speed, config.cp, critical)
 
 
 def closing_link(row, low: float = 1.0, high: float = 20.0) -> float:
