@@ -10,12 +10,16 @@ then 4 processes, and a deadlock waits seconds to be sure).
 
 from __future__ import annotations
 
+import queue
 import re
 from pathlib import Path
 
 import pytest
 
-from pipeclock.course.check import Verdict, check
+from pipeclock.course.check import EXERCISES, Verdict, check
+from pipeclock.course.check_rank import CAUSE, Fault
+from pipeclock.course.reference import Case
+from pipeclock.course.watch import watch
 
 WRONG = Path(__file__).resolve().parent / "wrong_loops"
 
@@ -241,3 +245,37 @@ def test_a_loop_that_raises_while_its_order_is_right_so_far_is_told_what_the_sch
         "  until then rank 0 followed the order of interleaved 1F1B, p = 2, v = 2, m = 1 (F0); the schedule "
         "runs F0.1 next (warm-up 2(p − r − 1) + (v − 1)p = 4 forwards",
     ), second
+
+
+def test_exceptions_two_ranks_raise_at_about_the_same_moment_name_the_lowest_rank_every_run():
+    """Which of two ranks raised first is up to the machine's scheduler: the verdict must not be."""
+    case = Case(m=1)
+    later_rank_first = Fault(1, case, CAUSE, when=10.0, text="rank 1 raised", raised=True)
+    rank_0 = Fault(0, case, CAUSE, when=10.2, text="rank 0 raised", raised=True)
+    assert min([later_rank_first, rank_0], key=lambda f: f.order) is rank_0
+    # what the check itself saw the loop do wrong is more precise than an exception it led to
+    a_misuse_seen_later = Fault(1, case, CAUSE, when=10.3, text="rank 1 sent None")
+    assert min([rank_0, a_misuse_seen_later], key=lambda f: f.order) is a_misuse_seen_later
+
+
+class _Ended:
+    """A rank's process that has already exited, as `multiprocessing.Process` reports it."""
+
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_when_every_rank_has_ended_each_fault_it_reported_is_weighed():
+    """Both ranks raised and exited; rank 1's report happens to be read first. The verdict waits for
+    what is still queued instead of naming the first report it read."""
+    case, events = Case(m=1), queue.Queue()
+    for rank in (1, 0):
+        events.put(("started", rank, None))
+    for rank, when in ((1, 10.0), (0, 10.1)):
+        fault = Fault(rank, case, CAUSE, when, f"rank {rank} raised KeyError", raised=True)
+        events.put(("fault", rank, case, fault))
+    with pytest.raises(Verdict) as raised:
+        watch([_Ended(), _Ended()], events, 2, EXERCISES[7].lab_of(2))
+    assert "rank 0 raised KeyError" in str(raised.value), str(raised.value)

@@ -57,8 +57,11 @@ class Fault:
 
     @property
     def order(self) -> tuple:
-        # the results are checked at each step's end, on every rank: the lowest rank's comes first
-        return (self.case.m, self.tier, self.rank if self.tier == RESULT else 0, self.when)
+        # the results are checked at each step's end on every rank, and the learner's code may raise on
+        # several ranks at about the same moment: of those, the lowest rank's comes first, whichever
+        # process the machine ran first, so that a file gets the same verdict every run
+        by_rank = self.tier == RESULT or self.raised
+        return (self.case.m, self.tier, self.raised, self.rank if by_rank else 0, self.when)
 
 
 class RankCheck:

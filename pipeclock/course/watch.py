@@ -2,7 +2,8 @@
 
 The ranks (`check_rank`) report every call, every forward and backward, every fault. The watcher keeps,
 per rank, what it did last, what it waits for, and the actions of its current step; it raises `Verdict`
-at the first fault (the earliest cause among those seen within ``GRACE`` seconds), when every rank's
+at the first fault (the earliest cause among those seen within ``GRACE`` seconds; of exceptions that
+several ranks' code raised, the lowest rank's, so a file's verdict does not vary), when every rank's
 step is over and one of them left the schedule (`order`), at a deadlock (no rank moved for ``STALL``
 seconds once all had started), or when a process is lost. A fault that a wrong order explains says so.
 """
@@ -184,7 +185,10 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
             seen.follow(kind, rank, case, rest, now)
             if all(state.started for state in states):
                 moved_at = now  # any report is news: a rank that starts to wait was busy until then
-        if seen.faults and (seen.settled(now) or all_stopped(states, processes)):
+        if seen.faults and all_stopped(states, processes):
+            drain(seen, events, now)  # what the stopped ranks said before they ended counts too
+            raise Verdict(seen.verdict())
+        if seen.faults and seen.settled(now):
             raise Verdict(seen.verdict())
         if seen.faults:
             continue
@@ -199,6 +203,17 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
         if moved_at is None and now - started_at > START_LIMIT:
             raise Verdict(f"the {world} processes did not all start within {START_LIMIT:g}s")
     return seen
+
+
+def drain(seen: Watch, events, now: float) -> None:
+    """Follow every report still queued: a process flushes its reports before it ends, so once all have
+    stopped, what is queued is all there is."""
+    while True:
+        try:
+            kind, rank, case, *rest = events.get(timeout=0.1)
+        except queue.Empty:
+            return
+        seen.follow(kind, rank, case, rest, now)
 
 
 def stuck(states: list[RankState]) -> bool:
