@@ -2,8 +2,9 @@
 
 The ranks (`check_rank`) report every call, every forward and backward, every fault. The watcher keeps,
 per rank, what it did last, what it waits for, and the actions of its current step; it raises `Verdict`
-at the first fault (the earliest cause among those seen within ``GRACE`` seconds; of exceptions that
-several ranks' code raised, the lowest rank's, so a file's verdict does not vary), when every rank's
+at the first fault (the earliest cause among those seen by the time no rank can find another by
+itself; of exceptions that several ranks' code raised, the lowest rank's, so a file's verdict does not
+vary with the machine's load), when every rank's
 step is over and one of them left the schedule (`order`), at a deadlock (no rank moved for ``STALL``
 seconds once all had started), or when a process is lost. A fault that a wrong order explains says so.
 """
@@ -25,8 +26,8 @@ from pipeclock.engine.actions import Action
 STALL = 4.0  # seconds without any rank completing a call, all ranks started: a deadlock
 SILENCE = 60.0  # seconds without any report at all, whatever the ranks do: a loop that never ends
 START_LIMIT = 120.0  # seconds for the processes to start and load the file
-RESULTS_LIMIT = 5.0  # seconds to wait for every rank's results, a result being the first fault
-GRACE = 0.5  # seconds to let faults found at about the same moment arrive, to report the earliest
+RESULTS_LIMIT = 5.0  # seconds to wait, after a fault, for every rank to be quiet and have its results
+GRACE = 0.5  # seconds to let faults found at about the same moment arrive, however quiet the ranks
 
 
 class Verdict(Exception):
@@ -87,15 +88,17 @@ class Watch:
             if all(case.m in s.done for s in self.states):
                 self.check_order(case.m, now)
 
-    def settled(self, now: float) -> bool:
-        """Whether the earliest fault can be named: ``GRACE`` after the first one, and, when it is a
-        result checked at the step's end, once every rank has checked its own (or ``RESULTS_LIMIT``)."""
+    def settled(self, now: float, quiet: bool) -> bool:
+        """Whether the earliest fault can be named: ``GRACE`` after the first one, once every rank is
+        ``quiet`` (waits in a call, has finished or has ended: it can find nothing more by itself) and,
+        when the fault is a result checked at the step's end, every rank has checked its own; or
+        ``RESULTS_LIMIT`` after the first fault, whatever the ranks do."""
         if now - self.first_at <= GRACE:
             return False
-        first = min(self.faults, key=lambda f: f.order)
-        if first.tier != RESULT or now - self.first_at > RESULTS_LIMIT:
+        if now - self.first_at > RESULTS_LIMIT:
             return True
-        return all(first.case.m in state.checked for state in self.states)
+        first = min(self.faults, key=lambda f: f.order)
+        return quiet and (first.tier != RESULT or all(first.case.m in s.checked for s in self.states))
 
     def add(self, fault: Fault, now: float) -> None:
         self.faults.append(fault)
@@ -188,7 +191,7 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
         if seen.faults and all_stopped(states, processes):
             drain(seen, events, now)  # what the stopped ranks said before they ended counts too
             raise Verdict(seen.verdict())
-        if seen.faults and seen.settled(now):
+        if seen.faults and seen.settled(now, quiet(states, processes)):
             raise Verdict(seen.verdict())
         if seen.faults:
             continue
@@ -220,6 +223,11 @@ def stuck(states: list[RankState]) -> bool:
     """Every rank waits, and one of them in the learner's loop: ranks that all wait between steps are
     only slow to get there (a busy machine), never stuck."""
     return all(state.blocked for state in states) and any(state.in_loop for state in states)
+
+
+def quiet(states: list[RankState], processes) -> bool:
+    """No rank can find a fault by itself any more: each waits in a call, has finished or has ended."""
+    return all(not p.is_alive() or s.blocked for s, p in zip(states, processes, strict=True))
 
 
 def all_stopped(states: list[RankState], processes) -> bool:
