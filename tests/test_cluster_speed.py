@@ -14,7 +14,7 @@ from pipeclock.engine.actions import placement_of
 from pipeclock.engine.generators import SCHEDULES, generate
 from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory, memory_floor, placement_for, static_floor
-from pipeclock.plan.cluster_time import Rates, optimizer_seconds, work_floor
+from pipeclock.plan.cluster_time import Rates, optimizer_seconds, step_time, work_floor
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.paper_model import PaperModel
 from pipeclock.plan.pipeline_replay import compiled, replay
@@ -110,6 +110,20 @@ def test_the_memory_floor_never_exceeds_the_memory_a_configuration_takes(model):
         for config in itertools.islice(configurations(model, cluster, job, {}), 0, None, 3):
             floor = memory_floor(model, config, job, software)
             assert floor <= gpu_memory(model, config, job, software).total, config
+
+
+@pytest.mark.parametrize("model", [DENSE, MOE], ids=["dense", "moe"])
+def test_the_time_floors_never_exceed_the_step_a_configuration_takes(model):
+    """A search drops a configuration whose floor is above the best step found: each floor must be
+    under the simulated step (whose costs are rounded) on every configuration, or the best could be
+    the one dropped."""
+    cluster, job = Cluster(8, KINDS["H100-80GB"]), Job(16, 4096)
+    for software in (Software("bf16"), Software("fp8", True, False)):
+        rates = Rates(cluster.kind, software)
+        for config in itertools.islice(configurations(model, cluster, job, {}), 0, None, 2):
+            step = step_time(model, config, job, software, cluster.kind).step
+            assert work_floor(model, config, job, software, rates) <= step, config
+            assert floor_of(model, config, job, software, rates) <= step, config
 
 
 def test_a_search_where_nothing_fits_names_the_closest_it_judged():

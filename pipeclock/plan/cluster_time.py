@@ -45,7 +45,7 @@ from pipeclock.plan.cluster_memory import (
 )
 from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
-from pipeclock.plan.pipeline_time import Simulated, _round, simulated
+from pipeclock.plan.pipeline_time import ROUNDING, Simulated, _round, simulated
 
 OPTIMIZER_BYTES = 30  # per fp32 parameter of an Adam step: read weight, grad, moments; write them, copy
 
@@ -251,7 +251,8 @@ def work_floor(model, config: Config, job: Job, software: Software, rates: Rates
         exchange = layer.exchange_forward + layer.exchange_backward
         work += n * (layer.forward + layer.input_grad + layer.weight_grad - exchange)
     work += sum(ends[end][op] for end in ("first", "last") for op in ("F", "I", "W"))
-    return config.microbatches * work / config.pp + optimizer_seconds(model, config, rates)
+    pipeline = config.microbatches * work / config.pp * (1 - ROUNDING)  # as simulated: costs rounded
+    return pipeline + optimizer_seconds(model, config, rates)
 
 
 def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]:
