@@ -4,7 +4,9 @@ layer keeps for its backward, measured."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -216,12 +218,26 @@ def test_tensor_and_sequence_parallel_split_what_a_layer_keeps():
     assert layer_bytes(model, "full", 2, tp=2, sp=True) == layer_bytes(model, "full", 2) / 2
 
 
-@pytest.mark.parametrize("size", ["8b", "70b", "405b"])
-def test_a_llama_config_read_without_transformers_plans_as_its_config_class(size):
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "deepseek-v3"])
+def test_a_config_read_without_transformers_plans_as_its_config_class(name):
     from transformers import AutoConfig
 
-    path = DOCS / f"llama-3.1-{size}.json"
+    path = DOCS / f"{name}.json"
+    assert isinstance(read_config(path), SimpleNamespace)
     assert paper_model(read_config(path)) == paper_model(AutoConfig.from_pretrained(str(path)))
+
+
+@pytest.mark.parametrize("field", ["first_k_dense_replace", "n_group", "q_lora_rank"])
+def test_a_deepseek_config_that_leaves_a_size_to_its_class_is_read_by_transformers(tmp_path, field):
+    """Where the JSON is silent, only the config class knows its default (three dense blocks first,
+    eight groups of experts...): transformers reads such a config."""
+    fields = json.loads((DOCS / "deepseek-v3.json").read_text())
+    del fields[field]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    config = read_config(path)
+    assert not isinstance(config, SimpleNamespace)
+    assert paper_model(config) == paper_model(read_config(DOCS / "deepseek-v3.json"))
 
 
 def test_planning_a_llama_config_does_not_import_transformers():

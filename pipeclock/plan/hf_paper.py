@@ -31,15 +31,20 @@ class NotCausalLM(ValueError):
     """A config that does not describe a causal language model."""
 
 
-# Families read without importing transformers (seconds of CPU) when their config.json states every size
-# the plan needs: their config classes' defaults for the rest are the ones `paper_model` assumes.
-PLAIN_JSON_FAMILIES = {"llama", "mistral"}
-_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+# Families read without importing transformers (seconds of CPU) when their config.json states each of
+# these sizes: their config classes' defaults for the rest are the ones `paper_model` assumes.
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+          "num_key_value_heads")  # fmt: skip
+_DEEPSEEK_V3 = ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                "first_k_dense_replace", "n_group", "topk_group", "kv_lora_rank", "q_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # fmt: skip
+PLAIN_JSON_FAMILIES = {"llama": _SIZES, "mistral": _SIZES, "deepseek_v3": _SIZES + _DEEPSEEK_V3}
 
 
 def read_config(path: str | Path):
     """The ``transformers`` config at ``path`` (a config.json, or a directory holding one); for a
-    Llama or Mistral config that states its sizes, the JSON's fields alone (the same plan, read at once)."""
+    Llama, Mistral or DeepSeek-V3 config that states its sizes, the JSON's fields alone (the same plan,
+    read at once)."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--hf-config {path}: no such file or directory")
@@ -59,23 +64,23 @@ def read_config(path: str | Path):
 
 
 def _plain_json(path: Path) -> SimpleNamespace | None:
-    """The config's fields, when it is of a `PLAIN_JSON_FAMILIES` family and states every size as a
-    positive whole number with heads that divide the width; else None (transformers reads it)."""
+    """The config's fields, when it is of a `PLAIN_JSON_FAMILIES` family and states each of its sizes
+    as a positive whole number, with heads that divide the width and experts chosen among those there
+    are; else None (transformers reads it, and refuses what it refuses)."""
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(fields, dict) or fields.get("model_type") not in PLAIN_JSON_FAMILIES:
         return None
-    sizes = [fields.get(name) for name in (*_SIZES, "num_key_value_heads")]
-    if not all(type(value) is int and value > 0 for value in sizes):
+    sizes = {name: fields.get(name) for name in PLAIN_JSON_FAMILIES[fields["model_type"]]}
+    if not all(type(value) is int and value > 0 for value in sizes.values()):
         return None
-    hidden, heads, kv_heads = (
-        fields["hidden_size"],
-        fields["num_attention_heads"],
-        fields["num_key_value_heads"],
-    )
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden % heads or heads % kv_heads or type(fields.get("head_dim", 1)) is not int:
+        return None
+    chosen = (("num_experts_per_tok", "n_routed_experts"), ("topk_group", "n_group"))
+    if any(name in sizes and sizes[name] > sizes[among] for name, among in chosen):
         return None
     return SimpleNamespace(**fields)
 
