@@ -16,7 +16,7 @@ from pipeclock.plan.cluster_config import Job, Software
 from pipeclock.plan.cluster_memory import gpu_memory, memory_floor, placement_for, static_floor
 from pipeclock.plan.cluster_time import Rates, optimizer_seconds, step_time, work_floor
 from pipeclock.plan.gpus import KINDS, Cluster
-from pipeclock.plan.paper_model import PaperModel
+from pipeclock.plan.paper_model import PaperModel, mlp_model
 from pipeclock.plan.pipeline_replay import compiled, replay
 from pipeclock.plan.pipeline_time import engine_simulated
 from pipeclock.plan.search import SearchError, config_groups, configurations, floor_of, group_floors, search
@@ -124,6 +124,35 @@ def test_the_time_floors_never_exceed_the_step_a_configuration_takes(model):
             step = step_time(model, config, job, software, cluster.kind).step
             assert work_floor(model, config, job, software, rates) <= step, config
             assert floor_of(model, config, job, software, rates) <= step, config
+
+
+TIED = mlp_model(10**10, 16)  # on 8 RTX4090s at tp 4, recompute none and full take the same step to the bit
+
+
+@pytest.mark.parametrize(
+    "model, cluster, job",
+    [
+        (DENSE, Cluster(16, KINDS["H100-80GB"]), Job(64, 2048)),
+        (MOE, Cluster(16, KINDS["H100-80GB"]), Job(64, 2048)),
+        (TIED, Cluster(8, KINDS["RTX4090"]), Job(128, 1)),
+    ],
+    ids=["dense", "moe", "tied"],
+)
+def test_the_ranked_rows_do_not_depend_on_how_tight_the_floors_are(model, cluster, job, monkeypatch):
+    """Looser floors judge more configurations and must rank the same ones, equal steps in the order
+    the knobs enumerate them."""
+    import pipeclock.plan.cluster_time
+    import pipeclock.plan.pipeline_time
+
+    ranked = []
+    for rounding in (0.005, 0.2):
+        for module in (pipeclock.plan.pipeline_time, pipeclock.plan.cluster_time):
+            monkeypatch.setattr(module, "ROUNDING", rounding)
+        found = search(model, cluster, job, Software("bf16"), top=8)
+        ranked.append(([(p.config, p.time.step) for p in found.ranked], found.judged))
+    (tight, judged_tight), (loose, judged_loose) = ranked
+    assert judged_loose > judged_tight
+    assert loose == tight
 
 
 def test_a_search_where_nothing_fits_names_the_closest_it_judged():

@@ -126,11 +126,11 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
                 (work_floor(model, base, job, software, rates), members[0][2], False, (base, members))
             )
     heapq.heapify(queue)
-    ranked: list[tuple[float, Prediction]] = []
+    ranked: list[tuple[float, int, Prediction]] = []  # (step, order number, prediction)
     fit: set[Config] = set()
     too_large: list[tuple[Config, GpuMemory | None]] = []  # judged, in order, with their memory if read
     while queue:
-        floor, _, refined, config = heapq.heappop(queue)
+        floor, number, refined, config = heapq.heappop(queue)
         if len(ranked) >= top and floor >= ranked[top - 1][0]:
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
@@ -155,15 +155,16 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
         fit.add(config)
         prediction = _judged(model, config, job, software, cluster, memory)
         result.simulated += 1
-        twin = next((i for i, (_, p) in enumerate(ranked) if _twins(p, prediction)), None)
+        twin = next((i for i, (_, _, p) in enumerate(ranked) if _twins(p, prediction)), None)
         if twin is not None:  # the same run but for the sharding: keep the leaner
-            if prediction.memory.total < ranked[twin][1].memory.total:
-                ranked[twin] = (prediction.time.step, prediction)
+            if prediction.memory.total < ranked[twin][2].memory.total:
+                ranked[twin] = (prediction.time.step, number, prediction)
             continue
-        ranked.append((prediction.time.step, prediction))
-        ranked.sort(key=lambda entry: entry[0])
+        # equal steps rank in the order the knobs enumerate them, not the order the floors judged them in
+        ranked.append((prediction.time.step, number, prediction))
+        ranked.sort(key=lambda entry: entry[:2])
         del ranked[top:]
-    result.ranked = [prediction for _, prediction in ranked]
+    result.ranked = [prediction for _, _, prediction in ranked]
     if not ranked:
         result.smallest = _closest(model, too_large, job, software, cluster)
     if not ranked and result.smallest is None and leanest is not None:
