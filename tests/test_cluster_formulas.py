@@ -240,13 +240,14 @@ def test_a_deepseek_config_that_leaves_a_size_to_its_class_is_read_by_transforme
     assert paper_model(config) == paper_model(read_config(DOCS / "deepseek-v3.json"))
 
 
-def test_planning_a_llama_config_does_not_import_transformers():
+@pytest.mark.parametrize("name", ["llama-3.1-405b", "deepseek-v3"])
+def test_planning_a_config_that_states_its_sizes_does_not_import_transformers(name):
     import subprocess
     import sys
 
     code = (
         "import sys; from pipeclock.plan.hf_paper import paper_model, read_config; "
-        f"paper_model(read_config({str(DOCS / 'llama-3.1-405b.json')!r})); "
+        f"paper_model(read_config({str(DOCS / (name + '.json'))!r})); "
         "print('transformers' in sys.modules)"
     )
     assert (

@@ -19,7 +19,7 @@ import pytest
 from pipeclock.course.check import EXERCISES, Verdict, check
 from pipeclock.course.check_rank import CAUSE, Fault
 from pipeclock.course.reference import Case
-from pipeclock.course.watch import watch
+from pipeclock.course.watch import RESULTS_LIMIT, Watch, quiet, watch
 
 WRONG = Path(__file__).resolve().parent / "wrong_loops"
 
@@ -267,6 +267,16 @@ class _Ended:
         return False
 
 
+class _Running(_Ended):
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+INTERLEAVED = EXERCISES[7]  # lab 7's loop: interleaved 1F1B
+
+
 def test_when_every_rank_has_ended_each_fault_it_reported_is_weighed():
     """Both ranks raised and exited; rank 1's report happens to be read first. The verdict waits for
     what is still queued instead of naming the first report it read."""
@@ -277,5 +287,30 @@ def test_when_every_rank_has_ended_each_fault_it_reported_is_weighed():
         fault = Fault(rank, case, CAUSE, when, f"rank {rank} raised KeyError", raised=True)
         events.put(("fault", rank, case, fault))
     with pytest.raises(Verdict) as raised:
-        watch([_Ended(), _Ended()], events, 2, EXERCISES[7].lab_of(2))
+        watch([_Ended(), _Ended()], events, 2, INTERLEAVED.lab_of(2))
     assert "rank 0 raised KeyError" in str(raised.value), str(raised.value)
+
+
+def test_a_fault_is_named_once_no_rank_can_move_by_itself_or_after_the_limit():
+    """A rank still computing may raise an earlier-ranked exception: the verdict waits for it, as long as
+    ``RESULTS_LIMIT`` after the first fault."""
+    seen = Watch(2, INTERLEAVED.lab_of)
+    seen.add(Fault(1, Case(m=1), CAUSE, 0.0, "rank 1 raised", raised=True), now=0.0)
+    assert not seen.settled(1.0, quiet=False)
+    assert seen.settled(1.0, quiet=True)
+    assert seen.settled(RESULTS_LIMIT + 0.1, quiet=False)
+
+
+def test_a_rank_waiting_for_a_message_already_sent_is_not_quiet():
+    seen = Watch(2, INTERLEAVED.lab_of)
+    sender, waiting = seen.states  # rank 0 sends rank 1 an activation (tag 0)
+    sender.waits = "receiving the gradient of micro-batch 0"
+    waiting.waits = "receiving the activation of micro-batch 0"
+    waiting.message("recv", 0, 0, None)
+    ranks = [_Running(), _Running()]
+    assert quiet(seen.states, ranks)
+    sender.message("send", 1, 0, None)  # sent, not yet received: rank 1 will move on
+    assert not quiet(seen.states, ranks)
+    waiting.message("received", 0, 0, None)
+    waiting.message("recv", 0, 0, None)  # and waits for the next, not sent yet
+    assert quiet(seen.states, ranks)

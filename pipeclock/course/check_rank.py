@@ -31,7 +31,7 @@ from pipeclock.course.reference import Case, Reference, close, gap
 from pipeclock.course.saved import HeldMeter
 from pipeclock.model import ShardedMLP
 
-# How faults of one case are ranked (then by when they were seen): a cause before what follows from it.
+# How faults of one case are ranked (then by `Fault.order`): a cause before what follows from it.
 # A peer's failure seen by a rank (its connection lost) comes last: the rank that failed says why itself.
 CAUSE, ORDER, RESULT, CONSEQUENCE, PEER = 0, 1, 2, 3, 4
 NEVER_WAITED = (
@@ -43,7 +43,8 @@ NO_GRAD_HINT = "x.grad stays None unless the input was marked with x.requires_gr
 
 @dataclass(frozen=True)
 class Fault:
-    """What a rank found wrong: ``tier`` (CAUSE ... PEER) and ``when`` rank the faults of a case.
+    """What a rank found wrong: ``tier`` (CAUSE ... PEER), then ``order`` (rank or ``when``) rank the
+    faults of a case.
     ``symptom``: what a wrong order would explain (a wrong number, a shape, a lost peer): when the order
     went wrong before it, the verdict says the order first."""
 

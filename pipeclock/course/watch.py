@@ -2,11 +2,11 @@
 
 The ranks (`check_rank`) report every call, every forward and backward, every fault. The watcher keeps,
 per rank, what it did last, what it waits for, and the actions of its current step; it raises `Verdict`
-at the first fault (the earliest cause among those seen by the time no rank can find another by
-itself; of exceptions that several ranks' code raised, the lowest rank's, so a file's verdict does not
-vary with the machine's load), when every rank's
-step is over and one of them left the schedule (`order`), at a deadlock (no rank moved for ``STALL``
-seconds once all had started), or when a process is lost. A fault that a wrong order explains says so.
+at the first fault (the earliest cause among those reported by the time every rank has ended, finished
+or waits for what no one has sent it, or ``RESULTS_LIMIT`` after the first; of exceptions that several
+ranks' code raised, the lowest rank's, whichever the machine ran first), when every rank's step is over
+and one of them left the schedule (`order`), at a deadlock (no rank moved for ``STALL`` seconds once all
+had started), or when a process is lost. A fault that a wrong order explains says so.
 """
 
 from __future__ import annotations
@@ -178,16 +178,12 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
     states = seen.states
     started_at, moved_at = time.monotonic(), None
     while not all(state.finished for state in states) or seen.faults:
-        try:
-            event = events.get(timeout=0.1)
-        except queue.Empty:
-            event = None
+        reports = queued(events)  # all of them: a rank is judged by what it last said
         now = time.monotonic()
-        if event is not None:
-            kind, rank, case, *rest = event
+        for kind, rank, case, *rest in reports:
             seen.follow(kind, rank, case, rest, now)
-            if all(state.started for state in states):
-                moved_at = now  # any report is news: a rank that starts to wait was busy until then
+        if reports and all(state.started for state in states):
+            moved_at = now  # any report is news: a rank that starts to wait was busy until then
         if seen.faults and all_stopped(states, processes):
             drain(seen, events, now)  # what the stopped ranks said before they ended counts too
             raise Verdict(seen.verdict())
@@ -196,7 +192,7 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
         if seen.faults:
             continue
         lost = [r for r, p in enumerate(processes) if not p.is_alive() and not states[r].finished]
-        if lost and event is None:
+        if lost and not reports:
             code = processes[lost[0]].exitcode
             raise Verdict(f"rank {lost[0]} ended without finishing (exit code {code}), with {world} ranks")
         if moved_at is not None and now - moved_at > STALL and stuck(states):
@@ -208,15 +204,25 @@ def watch(processes, events, world: int, lab_of: Callable[[int], Lab]) -> Watch:
     return seen
 
 
+def queued(events, wait: float = 0.1) -> list:
+    """The reports waiting in ``events``, after waiting up to ``wait`` seconds for the first."""
+    try:
+        reports = [events.get(timeout=wait)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            reports.append(events.get_nowait())
+        except queue.Empty:
+            return reports
+
+
 def drain(seen: Watch, events, now: float) -> None:
     """Follow every report still queued: a process flushes its reports before it ends, so once all have
     stopped, what is queued is all there is."""
-    while True:
-        try:
-            kind, rank, case, *rest = events.get(timeout=0.1)
-        except queue.Empty:
-            return
-        seen.follow(kind, rank, case, rest, now)
+    while reports := queued(events):
+        for kind, rank, case, *rest in reports:
+            seen.follow(kind, rank, case, rest, now)
 
 
 def stuck(states: list[RankState]) -> bool:
@@ -226,8 +232,21 @@ def stuck(states: list[RankState]) -> bool:
 
 
 def quiet(states: list[RankState], processes) -> bool:
-    """No rank can find a fault by itself any more: each waits in a call, has finished or has ended."""
-    return all(not p.is_alive() or s.blocked for s, p in zip(states, processes, strict=True))
+    """No rank will move by itself: each has ended, has finished, or waits in a call and not for a
+    message already sent to it."""
+    return all(
+        not process.is_alive() or (state.blocked and not _delivered(states, rank))
+        for rank, (state, process) in enumerate(zip(states, processes, strict=True))
+    )
+
+
+def _delivered(states: list[RankState], rank: int) -> bool:
+    """Whether the message ``rank`` waits to receive has been sent: it will move on."""
+    receiving = states[rank].receiving
+    if receiving is None:
+        return False
+    peer, tag, _ = receiving
+    return states[peer].sent[rank, tag] > states[rank].received[peer, tag]
 
 
 def all_stopped(states: list[RankState], processes) -> bool:

@@ -45,7 +45,7 @@ from pipeclock.plan.cluster_memory import (
 )
 from pipeclock.plan.gpus import GpuKind
 from pipeclock.plan.paper_model import PaperModel
-from pipeclock.plan.pipeline_time import ROUNDING, Simulated, _round, simulated
+from pipeclock.plan.pipeline_time import Simulated, _round, as_simulated_at_least, simulated
 
 OPTIMIZER_BYTES = 30  # per fp32 parameter of an Adam step: read weight, grad, moments; write them, copy
 
@@ -245,13 +245,13 @@ def work_floor(model, config: Config, job: Job, software: Software, rates: Rates
     ranks, plus the optimizer (`pipeline_floor` is tighter and costs more). The experts' all-to-alls are
     left out: a schedule that pairs a forward with a backward (DualPipeV) hides them."""
     ends = _layer_and_ends(model, config, job, software, rates)[1]
-    work = 0.0
+    work = exchange = 0.0
     for block, n in blocks(model, range(model.layers)):
         layer = _layer_and_ends(block, config, job, software, rates)[0]
-        exchange = layer.exchange_forward + layer.exchange_backward
-        work += n * (layer.forward + layer.input_grad + layer.weight_grad - exchange)
+        exchange += n * (layer.exchange_forward + layer.exchange_backward)
+        work += n * (layer.forward + layer.input_grad + layer.weight_grad)
     work += sum(ends[end][op] for end in ("first", "last") for op in ("F", "I", "W"))
-    pipeline = config.microbatches * work / config.pp * (1 - ROUNDING)  # as simulated: costs rounded
+    pipeline = config.microbatches * as_simulated_at_least(work, exchange) / config.pp
     return pipeline + optimizer_seconds(model, config, rates)
 
 

@@ -65,8 +65,7 @@ def read_config(path: str | Path):
 
 def _plain_json(path: Path) -> SimpleNamespace | None:
     """The config's fields, when it is of a `PLAIN_JSON_FAMILIES` family and states each of its sizes
-    as a positive whole number, with heads that divide the width and experts chosen among those there
-    are; else None (transformers reads it, and refuses what it refuses)."""
+    as a positive whole number, with heads that divide the width; else None (transformers reads it)."""
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -78,9 +77,6 @@ def _plain_json(path: Path) -> SimpleNamespace | None:
         return None
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden % heads or heads % kv_heads or type(fields.get("head_dim", 1)) is not int:
-        return None
-    chosen = (("num_experts_per_tok", "n_routed_experts"), ("topk_group", "n_group"))
-    if any(name in sizes and sizes[name] > sizes[among] for name, among in chosen):
         return None
     return SimpleNamespace(**fields)
 

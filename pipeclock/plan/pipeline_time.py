@@ -19,15 +19,21 @@ from pipeclock.plan.cluster_config import Config
 from pipeclock.plan.cluster_memory import placement_for
 from pipeclock.plan.pipeline_replay import compiled, replay
 
-# The simulated program takes each cost to three significant digits (`_round`), which lowers a cost by
-# at most half a unit of its third digit: 0.5 % of it. A floor held against a simulated step is lowered by
-# as much, or a configuration could be dropped for a floor above the step it would have taken.
+# The simulated program takes each cost to three significant digits (`_round`), which moves a cost by at
+# most half a unit of its third digit: 0.5 % of it. A floor held against a simulated step reads each cost
+# that much lower, and each all-to-all it takes off that much higher (`as_simulated_at_least`), or a
+# configuration could be dropped for a floor above the step it would have taken.
 ROUNDING = 0.005
 
 
+def as_simulated_at_least(seconds: float, hidden: float = 0.0) -> float:
+    """The least ``seconds - hidden`` can be once the simulated program has rounded both (`ROUNDING`)."""
+    return (1 - ROUNDING) * seconds - (1 + ROUNDING) * hidden
+
+
 def pipeline_floor(config: Config, costs: list[dict[str, float]], transfer: float) -> float:
-    """A time no program of this schedule can beat, as the planner simulates it (`ROUNDING` taken off),
-    without simulating it: the larger of
+    """A time no program of this schedule can beat, as the planner simulates it (its costs rounded:
+    `as_simulated_at_least`), without simulating it: the larger of
 
     - for each rank, its work after the forwards that must reach its first stage before it can start,
       and (a schedule that runs whole backwards, ending each rank on its first stage's last backward)
@@ -45,7 +51,8 @@ def shape_floor(schedule: str, pp: int, chunks: int, m: int, costs: list[dict[st
     busiest = busiest_at.get(m)
     if busiest is None:
         busiest = busiest_at[m] = max(fixed + m * per_microbatch for fixed, per_microbatch in ranks)
-    return (1 - ROUNDING) * max(busiest, chain + m * chain_per_microbatch + 2 * (pp - 1) * transfer)
+    transfer = as_simulated_at_least(transfer)
+    return max(busiest, chain + m * chain_per_microbatch + 2 * (pp - 1) * transfer)
 
 
 _FLOOR_TERMS: dict[tuple, tuple] = {}
@@ -69,11 +76,14 @@ def _floor_terms(schedule: str, pp: int, chunks: int, costs: list[dict[str, floa
 
 
 def _floor_terms_of(shape: tuple[bool, tuple], costs: list[dict[str, float]]) -> tuple:
-    """The terms for ``costs`` without their all-to-alls (which may hide under a paired action)."""
+    """The terms for ``costs`` as simulated at least, without their all-to-alls (which may hide under a
+    paired action)."""
     split, stages_of = shape
-    forward = [cost["F"] - cost.get("xF", 0.0) for cost in costs]
-    backward = [cost["B"] - cost.get("xB", 0.0) for cost in costs]
-    gradient = [cost["I"] - cost.get("xB", 0.0) for cost in costs] if split else backward
+    forward = [as_simulated_at_least(cost["F"], cost.get("xF", 0.0)) for cost in costs]
+    backward = [as_simulated_at_least(cost["B"], cost.get("xB", 0.0)) for cost in costs]
+    gradient = (
+        [as_simulated_at_least(cost["I"], cost.get("xB", 0.0)) for cost in costs] if split else backward
+    )
     before = list(itertools.accumulate(forward, initial=0.0))
     after = [0.0] * len(before) if split else list(itertools.accumulate(backward, initial=0.0))
     work = [f + b for f, b in zip(forward, backward, strict=True)]

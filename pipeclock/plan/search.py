@@ -131,12 +131,12 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
     too_large: list[tuple[Config, GpuMemory | None]] = []  # judged, in order, with their memory if read
     while queue:
         floor, number, refined, config = heapq.heappop(queue)
-        if len(ranked) >= top and floor >= ranked[top - 1][0]:
+        if len(ranked) >= top and (floor, number) >= ranked[top - 1][:2]:
             break
         if not refined:  # the cheap floor let them this far: each schedule's tighter one, queued again
             base = config[0]
-            for schedule, chunks, number, tight in group_floors(model, *config, job, software, rates):
-                heapq.heappush(queue, (max(floor, tight), number, True, (base, schedule, chunks)))
+            for schedule, chunks, member, tight in group_floors(model, *config, job, software, rates):
+                heapq.heappush(queue, (max(floor, tight), member, True, (base, schedule, chunks)))
             continue
         base, schedule, chunks = config
         config = replace(base, schedule=schedule, chunks=chunks)
@@ -159,6 +159,7 @@ def _search(model, cluster, job, software, fixed: dict, top: int, progress) -> S
         if twin is not None:  # the same run but for the sharding: keep the leaner
             if prediction.memory.total < ranked[twin][2].memory.total:
                 ranked[twin] = (prediction.time.step, number, prediction)
+                ranked.sort(key=lambda entry: entry[:2])
             continue
         # equal steps rank in the order the knobs enumerate them, not the order the floors judged them in
         ranked.append((prediction.time.step, number, prediction))
