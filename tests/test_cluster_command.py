@@ -148,10 +148,13 @@ def _spec_with(tmp_path, field: str, raw: str) -> str:
 
 
 def _config(tmp_path, kind: str) -> str:
-    """A BERT config (an encoder), a Llama whose 3 heads do not divide its width of 100, or a Doge (a
-    causal LM whose shapes the planner does not read)."""
+    """A BERT config (an encoder), a Llama whose 3 heads do not divide its width of 100, DeepSeek-V3
+    routing each token to more experts than it has, or a Doge (a causal LM whose shapes the planner does
+    not read)."""
     sizes = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128}
-    if kind == "HEADS":
+    if kind == "EXPERTS":
+        sizes = json.loads((CONFIGS / "deepseek-v3.json").read_text()) | {"num_experts_per_tok": 300}
+    elif kind == "HEADS":
         sizes |= {"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3, "vocab_size": 1000}
     else:
         sizes |= {"model_type": "doge" if kind == "DOGE" else "bert"}
@@ -241,6 +244,8 @@ def _t5_config(tmp_path) -> str:
         (["--cluster", "8xH100-80GB", "--hf-config", "DOGE"],
          "DogeConfig (model_type 'doge'): plan --hf-config does not read this family's shapes"),
         (["--cluster", "8xH100-80GB", "--hf-config", "HEADS"], "hidden size (100) is not a multiple of the"),
+        (["--cluster", "8xH100-80GB", "--hf-config", "EXPERTS"],
+         "deepseek_v3 config routes each token to num_experts_per_tok = 300 of its 256 experts"),
         (["--cluster", "64xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=32,chunks=5"],
          "--fix pp=32 x chunks=5 is 160 virtual stages, more than the model's 126 layers"),
         (["--cluster", "8xH100-80GB", "--params", "1e9", "--fix", "ends=first"],
@@ -255,7 +260,7 @@ def test_bad_input_is_one_line_and_exit_code_2(monkeypatch, capsys, tmp_path, ar
     args = [_spec_without(tmp_path, "memory_gb") if a == "SPEC-NO-MEMORY" else a for a in args]
     args = [_t5_config(tmp_path) if a == "T5" else a for a in args]
     args = [_spec_with(tmp_path, *a.split()[1:]) if a.startswith("SPEC ") else a for a in args]
-    args = [_config(tmp_path, a) if a in ("BERT", "HEADS", "DOGE") else a for a in args]
+    args = [_config(tmp_path, a) if a in ("BERT", "HEADS", "DOGE", "EXPERTS") else a for a in args]
     code, out, err = plan(monkeypatch, capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith("pipeclock plan: error: ") and message in err, err

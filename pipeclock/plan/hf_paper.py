@@ -106,6 +106,12 @@ def paper_model(config, name: str | None = None) -> PaperModel:
     head_dim = latent.pop("head_dim", head_dim)
     plain = family in PLAIN_MLP_FAMILIES
     experts = _experts(config)
+    per_token = getattr(config, "num_experts_per_tok", 0) if experts else 0
+    if experts and not (isinstance(per_token, int) and 0 < per_token <= experts):
+        raise ValueError(
+            f"{kind} routes each token to num_experts_per_tok = {per_token!r} of its {experts} experts: "
+            f"it must be between 1 and {experts}"
+        )
     ffn = (getattr(config, "moe_intermediate_size", None) if experts else None) or _ffn(config, hidden)
     return PaperModel(
         name=name or (getattr(config, "architectures", None) or [kind])[0],
@@ -123,7 +129,7 @@ def paper_model(config, name: str | None = None) -> PaperModel:
         linear_bias=plain and bool(getattr(config, "bias", True)),
         positions=getattr(config, "max_position_embeddings", 0) if family in LEARNED_POSITIONS else 0,
         experts=experts,
-        experts_per_token=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        experts_per_token=per_token,
         shared_ffn=expert_parallel.shared_width(config) if experts else 0,
         **(expert_parallel.routing_fields(config) if experts else {}),
         **(_dense_first(config, hidden) if experts else {}),
