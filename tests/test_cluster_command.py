@@ -285,3 +285,19 @@ def test_a_long_search_shows_one_progress_line_off_a_terminal_and_none_in_its_fi
     assert lines == [
         "pipeclock plan: searching: 8,192 configurations considered, 3 judged, best step so far 12.5 s ..."
     ]
+
+
+def test_the_why_line_gives_the_bubble_the_table_shows(monkeypatch, capsys):
+    """torchtitan's 1F1B run of lab 13: 8 micro-batches through 8 stages idle 7/15 of the step, and the
+    line that names the bubble says so, though the step's collectives overlap its compute."""
+    spec = str(CONFIGS / "h100-96gb-500w.json")
+    fix = "dp=8,tp=8,pp=8,zero=3,microbatch-size=4,recompute=full,sp=on,schedule=1f1b"
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "512xH100-96GB-500W", "--gpu-spec", spec, "--hf-config", LLAMA_405B,
+        "--global-batch", "256", "--seq-len", "8192", "--dtype", "fp8", "--fused", "--tp-overlap",
+        "--fix", fix,
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    table = float(re.search(r" s\s+(\d+\.\d)%\s+tp 8", out).group(1))
+    said = int(re.search(r"the bubble \((\d+)% of the step\)", out).group(1))
+    assert said == round(table) == 47

@@ -21,6 +21,11 @@ SCORE_BYTES = 13.0
 # byte a layer keeps for its backward: eager PyTorch runs each operation alone, fused kernels (or
 # torch.compile) run a few. The backward moves twice the forward's.
 ELEMENTWISE_PASSES = {"eager": 2.24, "fused": 0.689}
+# Bytes a logit moves through memory in the loss (bf16 logits, an fp32 softmax cross-entropy), forward and
+# backward, at the memory's datasheet bandwidth. Measured, not fitted: Megatron-LM's unfused
+# vocab_parallel_cross_entropy on an H100 SXM, 8,192 tokens of 131,072 logits, 15.81 ms forward and
+# 21.25 ms with its backward (docs/cluster.md gives the source).
+LOSS_BYTES = {"forward": 49.3, "backward": 17.0}
 # float8 products' share of the fp8 peak, as a share of what bf16 products reach of theirs (the scaling
 # and casts around each product included).
 FP8_SHARE = 0.749

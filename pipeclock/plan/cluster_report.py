@@ -101,10 +101,11 @@ def why(ranked: list[Prediction]) -> str:
 
 
 def _costs(p: Prediction) -> dict[str, float]:
-    """What each step spends beyond its useful compute, in seconds on the busiest rank."""
+    """What each step spends beyond its useful compute, in seconds on the busiest rank (the bubble: the
+    table's share of the pipeline's rank-time idle, which hidden communication does not shrink)."""
     t = p.time
     return {
-        "the bubble": max(0.0, t.pipeline - t.compute),
+        "the bubble": t.bubble * t.pipeline,
         "tensor parallel's collectives": t.tp,
         "recompute": t.recompute,
         "data parallel's exposed collectives": t.dp,

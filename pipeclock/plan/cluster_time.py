@@ -14,7 +14,8 @@ The backward costs twice the products and the elementwise work, 2.5 times attent
 five products for the forward's two), the same collectives again (less what runs under the weight
 gradients when ``Software.tp_backward_overlap``), and whatever recompute runs again;
 split into I and W, W is the weight-gradient products alone. A stage's action is its layers' sum, the
-embedding on the first stage and the head and loss on the last. The pipeline's step is then what
+embedding on the first stage and the head and loss on the last (the loss at the bytes a logit was
+measured to move, ``LOSS_BYTES``). The pipeline's step is then what
 ``pipeclock.observe.simulate`` makes of the schedule's program with these costs and the stage-to-stage
 messages on their link (the same simulator as the measured planner's, cached by the costs' ratios). The
 data-parallel collectives are laid along the simulated timeline (`data_parallel_seconds`), and the
@@ -266,11 +267,18 @@ def _ends(model, config, tokens, software, rates) -> dict[str, dict[str, float]]
     first = {"F": lookup + collective, "I": 0.0, "W": vocab * h / tp * 4 / rates.memory + lookup}
     moved = (tokens * (h + vocab / tp) + h * vocab / tp) * a
     product = 2.0 * tokens * h * vocab / tp / rates.gemm + moved / rates.memory
-    loss = tokens * vocab / tp * (a + 12) / rates.memory
-    last = {"F": product + loss + collective, "I": product + 2 * loss + collective, "W": product}
+    forward, backward = loss_seconds(tokens * vocab / tp, rates)
+    last = {"F": product + forward + collective, "I": product + backward + collective, "W": product}
     for end in (first, last):
         end["B"] = end["I"] + end["W"]
     return {"first": first, "last": last}
+
+
+def loss_seconds(logits: float, rates: Rates) -> tuple[float, float]:
+    """The loss's forward and backward over ``logits`` (tokens x vocabulary on one tp rank): their trips
+    through memory, ``calibration.LOSS_BYTES`` a logit as measured, at the memory's bandwidth."""
+    moved = calibration.LOSS_BYTES
+    return logits * moved["forward"] / rates.memory, logits * moved["backward"] / rates.memory
 
 
 def message_seconds(model, config, job, rates) -> float:
