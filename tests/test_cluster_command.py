@@ -200,12 +200,16 @@ def _t5_config(tmp_path) -> str:
     [
         (["--cluster", "8xB300"], "unknown GPU kind 'B300': known kinds are A100-40GB, A100-80GB, H100-80GB"),
         (["--cluster", "eight H100s"], "--cluster takes N x KIND"),
+        (["--cluster", "0xH100-80GB", "--params", "1e9"], "--cluster needs at least one GPU, got '0xH100"),
+        (["--cluster", "8xH100-80GB", "--hf-config", LLAMA_405B, "--params", "1e9"],
+         "--params and --hf-config each give the model: use one"),
+        (["--params", "1e9", "--model", "gpt"], "--params and --model gpt each give the model: use one"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "SPEC-NO-MEMORY"], "lacks memory_gb"),
         (["--cluster", "8xH100-80GB", "--gpu-spec", "/nowhere.json"], "/nowhere.json: no such file"),
         (["--cluster", "16384xH100-80GB", "--hf-config", LLAMA_405B, "--global-batch", "7"],
          "no dp x m divides --global-batch 7"),
         (["--cluster", "32xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "tp=16"],
-         "--fix tp=16 is more than the 8 GPUs of a H100-80GB node"),
+         "--fix tp=16 is more than the 8 GPUs of one H100-80GB node"),
         (["--cluster", "256xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "pp=128"],
          "--fix pp=128 is more than the model's 126 layers"),
         (["--cluster", "512xH100-80GB", "--hf-config", LLAMA_405B, "--fix", "tp=8,pp=8,dp=4"],
@@ -301,3 +305,15 @@ def test_the_why_line_gives_the_bubble_the_table_shows(monkeypatch, capsys):
     table = float(re.search(r" s\s+(\d+\.\d)%\s+tp 8", out).group(1))
     said = int(re.search(r"the bubble \((\d+)% of the step\)", out).group(1))
     assert said == round(table) == 47
+    assert "searched 1 configuration in" in out  # one, not "1 configurations"
+
+
+def test_a_rate_of_ten_thousand_or_more_prints_whole_not_as_an_exponent(monkeypatch, capsys):
+    code, out, err = plan(
+        monkeypatch, capsys, "--cluster", "256xH100-80GB", "--model", "gpt", "--dim", "4096",
+        "--layers", "32", "--heads", "32", "--vocab", "50304", "--seq-len", "2048", "--global-batch", "1024",
+        "--top", "1",
+    )  # fmt: skip
+    assert (code, err) == (0, "")
+    row = next(line for line in out.splitlines() if line.startswith("1  "))
+    assert "e+" not in row and re.match(r"1\s+\d{2},\d{3}\s", row), row

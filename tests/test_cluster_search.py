@@ -108,7 +108,7 @@ def test_fix_honours_every_fixed_knob(fixed):
 @pytest.mark.parametrize(
     ("fixed", "message"),
     [
-        ({"tp": 16}, "more than the 8 GPUs of a H100-80GB node"),
+        ({"tp": 16}, "more than the 8 GPUs of one H100-80GB node"),
         ({"pp": 17}, "more than the model's 16 layers"),
         ({"tp": 2, "pp": 2, "dp": 2}, "= 8, not the cluster's 16 GPUs"),
         ({"tp": 3}, "does not divide the cluster's 16 GPUs"),

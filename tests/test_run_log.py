@@ -77,7 +77,7 @@ def after_a(run_a):
     saved = {p: p.read_bytes() for p in [*sorted((tmp / "A").iterdir()), tmp / "ckA" / "config.toml"]}
     refused = [
         launch([*config, "--log-dir", str(tmp / "C")], world=1),  # into ckA, which holds A's checkpoints
-        launch([*config, "--checkpoint-dir", str(tmp / "D")], world=1),  # into A's log
+        launch([*config, "--checkpoint-dir", str(tmp / "D")]),  # into A's log, on both of its ranks
     ]
     return ran_b, saved, refused
 
@@ -138,12 +138,13 @@ def test_the_resolved_config_runs_the_same_run_again(run_a, after_a):
 
 def test_a_refused_run_changes_nothing_already_saved(run_a, after_a):
     tmp, (_, saved, refused) = run_a[0], after_a
-    by_checkpoints, by_log = (ranks[0] for ranks in refused)
+    (by_checkpoints,), by_log = refused
     assert by_checkpoints.code == 2 and "already holds checkpoints" in by_checkpoints.err
-    assert by_log.code == 2 and by_log.err.strip().endswith(
-        f"--log-dir {tmp}/A already holds a run's metrics.jsonl; resume that run (--resume), or choose "
-        "another folder"
-    )
+    for rank, printed in enumerate(by_log):  # every rank reaches the refusal, and each names itself
+        assert printed.code == 2 and printed.err.strip().endswith(
+            f"pipeclock train: error: rank {rank}: --log-dir {tmp}/A already holds a run's metrics.jsonl; "
+            "resume that run (--resume), or choose another folder"
+        ), printed.err
     assert {p: p.read_bytes() for p in saved} == saved
     assert not (tmp / "C" / METRICS_NAME).exists() and not (tmp / "D" / "config.toml").exists()
 

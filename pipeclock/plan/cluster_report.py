@@ -56,14 +56,10 @@ def searched(result: SearchResult, cluster: Cluster, seconds: float) -> str:
     measured number vary only where it has one)."""
     capacity = format_bytes(cluster.kind.memory, binary=True)
     took = f"{seconds:.1f} s" if seconds >= 0.1 else f"{seconds:.3f} s"
+    looked = f"  searched {_configurations(result.considered)} in {took}"
     if not result.judged:
-        return (
-            f"  searched {result.considered:,} configurations in {took}: the states fit in {capacity} in none"
-        )
-    return (
-        f"  searched {result.considered:,} configurations in {took}: judged the {result.judged:,} that could "
-        f"win, {result.fitting:,} fit in {capacity}"
-    )
+        return f"{looked}: the states fit in {capacity} in none"
+    return f"{looked}: judged the {result.judged:,} that could win, {result.fitting:,} fit in {capacity}"
 
 
 def table(predictions: list[Prediction], model: PaperModel) -> str:
@@ -72,12 +68,21 @@ def table(predictions: list[Prediction], model: PaperModel) -> str:
     rows = [head]
     for number, p in enumerate(predictions, 1):
         rows.append((
-            str(number), f"{p.tokens_per_second_per_gpu:,.4g}", f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}",
+            str(number), _rate(p.tokens_per_second_per_gpu), f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}",
             format_bytes(p.memory.total, binary=True), _seconds(p.time.step), f"{p.time.bubble:.1%}",
             p.config.label(),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _configurations(count: int) -> str:
+    return f"{count:,} configuration{'' if count == 1 else 's'}"
+
+
+def _rate(per_second: float) -> str:
+    """Four significant digits, whole numbers from a thousand up (never an exponent)."""
+    return f"{per_second:,.0f}" if per_second >= 1000 else f"{per_second:.4g}"
 
 
 def why(ranked: list[Prediction]) -> str:

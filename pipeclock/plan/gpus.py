@@ -116,8 +116,10 @@ class Cluster:
 def parse_cluster(text: str, spec: GpuKind | None = None) -> Cluster:
     """``"512xH100-80GB"`` (also ``×``, any case) as a `Cluster`; ``spec`` answers for its own name."""
     match = re.fullmatch(r"\s*(\d+)\s*[x×]\s*(\S+)\s*", text, flags=re.IGNORECASE)
-    if not match or int(match.group(1)) < 1:
+    if not match:
         raise ValueError(f"--cluster takes N x KIND, like 512xH100-80GB or 4xRTX4090, got {text!r}")
+    if int(match.group(1)) < 1:
+        raise ValueError(f"--cluster needs at least one GPU, got {text!r}")
     count, name = int(match.group(1)), match.group(2)
     known = dict(KINDS) | ({spec.name: spec} if spec else {})
     by_upper = {key.upper(): kind for key, kind in known.items()}

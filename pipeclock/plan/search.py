@@ -377,7 +377,7 @@ def check_fixed(model: PaperModel, cluster: Cluster, job: Job, fixed: dict) -> N
     per_node = cluster.kind.gpus_per_node
     if fixed.get("tp", 1) > per_node:
         raise SearchError(
-            f"--fix tp={fixed['tp']} is more than the {per_node} GPUs of a {cluster.kind.name} node: "
+            f"--fix tp={fixed['tp']} is more than the {per_node} GPUs of one {cluster.kind.name} node: "
             "tensor parallel stays inside a node"
         )
     if fixed.get("pp", 1) > model.layers:

@@ -132,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _one_model(args)
         if args.cluster:
             return plan_cluster.run(args)
         plan_cluster.refuse_without_cluster(args)
@@ -144,6 +145,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"pipeclock plan: error: {error}", file=sys.stderr)
         return 2
+
+
+def _one_model(args: argparse.Namespace) -> None:
+    """The model comes one way: a rough size, a Hugging Face config, or the built-in GPT."""
+    sources = (("--params", args.params is not None), ("--hf-config", bool(args.hf_config)),
+               ("--model gpt", args.model == "gpt"))  # fmt: skip
+    given = [flag for flag, on in sources if on]
+    if len(given) > 1:
+        raise ValueError(f"{given[0]} and {given[1]} each give the model: use one")
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -81,8 +81,17 @@ def _run_reporting_errors(args: argparse.Namespace, steps: StepsSeen) -> int:
         comm_blame.leave_failure(_first_line(error))  # before this rank's connections close
         if isinstance(error, BrokenPipeError) or not isinstance(error, EXPECTED_ERRORS):
             raise  # a closed output, for the command line to end quietly; or a bug, whose traceback is wanted
-        print(f"pipeclock train: error: {error}", file=sys.stderr, flush=True)
+        print(f"pipeclock train: error: {_naming_the_rank(error)}", file=sys.stderr, flush=True)
         return 2 if isinstance(error, ValueError) else 1  # a refusal (resume's too), or a failure
+
+
+def _naming_the_rank(error: BaseException) -> str:
+    """The error as raised, ``rank R:`` first when several processes run and it does not say which (a
+    refusal every rank reaches alike, such as a config's typo, is then one line a rank, each named)."""
+    text = str(error)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not text.startswith("rank "):
+        return f"rank {os.environ.get('RANK', '0')}: {text}"
+    return text
 
 
 def _first_line(error: BaseException) -> str:
