@@ -28,6 +28,7 @@ from pathlib import Path
 from benchmarks import cp_bound, published_2024, published_a100, published_h100, published_zero3
 from pipeclock.plan import calibration
 from pipeclock.plan.cluster_config import PP_OUTERMOST, Job, Software
+from pipeclock.plan.cluster_report import figure
 from pipeclock.plan.gpus import KINDS, Cluster
 from pipeclock.plan.search import search
 
@@ -198,16 +199,12 @@ def markdown(table: list[Row]) -> str:
             "tokens/s", row.tokens, p["tokens"]
         )  # fmt: skip
         lines.append(
-            f"| {row.source} | {row.name} | {row.cluster.count} | {_figure(published)} {unit} | "
-            f"{_figure(predicted)} | {speed:+.1%} | {_or_dash(row.memory)} | "
+            f"| {row.source} | {row.name} | {row.cluster.count} | {figure(published)} {unit} | "
+            f"{figure(predicted)} | {speed:+.1%} | {_or_dash(row.memory)} | "
             f"{p['memory']:.1f}{'' if p['fits'] else ' (does not fit)'} | "
             f"{'-' if memory is None else f'{memory:+.1%}'} | {row.role} | {p['config']} |"
         )
     return "\n".join(lines)
-
-
-def _figure(value: float) -> str:
-    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def _or_dash(value) -> str:

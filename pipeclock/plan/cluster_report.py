@@ -68,7 +68,7 @@ def table(predictions: list[Prediction], model: PaperModel) -> str:
     rows = [head]
     for number, p in enumerate(predictions, 1):
         rows.append((
-            str(number), _rate(p.tokens_per_second_per_gpu), f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}",
+            str(number), figure(p.tokens_per_second_per_gpu), f"{p.tflops_per_gpu:.4g}", f"{p.mfu:.1%}",
             format_bytes(p.memory.total, binary=True), _seconds(p.time.step), f"{p.time.bubble:.1%}",
             p.config.label(),
         ))  # fmt: skip
@@ -80,9 +80,9 @@ def _configurations(count: int) -> str:
     return f"{count:,} configuration{'' if count == 1 else 's'}"
 
 
-def _rate(per_second: float) -> str:
-    """Four significant digits, whole numbers from a thousand up (never an exponent)."""
-    return f"{per_second:,.0f}" if per_second >= 1000 else f"{per_second:.4g}"
+def figure(value: float) -> str:
+    """A rate as the reports print it: four significant digits, whole from a thousand up (no exponent)."""
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
 
 
 def why(ranked: list[Prediction]) -> str:

@@ -154,15 +154,18 @@ class LossNotFiniteError(ValueError):
     """The training loss became NaN or infinite: the run cannot go on."""
 
 
+def named(text: str, rank: int) -> str:
+    """``text`` with ``rank R:`` first, unless it names a rank already."""
+    return text if text.startswith("rank ") else f"rank {rank}: {text}"
+
+
 @contextmanager
 def naming_the_rank() -> Iterator[None]:
     """A ``ValueError`` raised while the run is set up names the rank that raised it."""
     try:
         yield
     except ValueError as error:
-        text = str(error)
-        if not text.startswith("rank "):
-            error.args = (f"rank {comms.get_rank()}: {text}",)
+        error.args = (named(str(error), comms.get_rank()),)
         raise
 
 

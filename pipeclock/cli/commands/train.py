@@ -34,6 +34,7 @@ from pipeclock.cli.arguments import (
 from pipeclock.cli.train_flags import add_arguments
 from pipeclock.models.text import CorpusError, bits_per_byte
 from pipeclock.observe.report import draw_runs, summary_lines, write_trace
+from pipeclock.training.checks import named
 from pipeclock.training.loop import TrainConfig, schedule_table, train
 from pipeclock.training.progress import Progress
 from pipeclock.training.task_choice import make_task
@@ -89,8 +90,8 @@ def _naming_the_rank(error: BaseException) -> str:
     """The error as raised, ``rank R:`` first when several processes run and it does not say which (a
     refusal every rank reaches alike, such as a config's typo, is then one line a rank, each named)."""
     text = str(error)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not text.startswith("rank "):
-        return f"rank {os.environ.get('RANK', '0')}: {text}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return named(text, int(os.environ.get("RANK", "0")))
     return text
 
 
